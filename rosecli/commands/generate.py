@@ -1,0 +1,97 @@
+"""`rose generate`: stream completions to the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from rosecli.commands import options as o
+from rosecli.commands.progress import startup_progress
+from rosecli.engine.config import DEFAULT_MODEL
+
+
+@o.user_errors
+def generate(
+    prompts: Annotated[list[str], typer.Argument(help="One or more prompts; several run as one batch.")],
+    chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template. "
+                                                 "Default: on for instruct models (those with a chat "
+                                                 "template, such as smollm2-135m), off otherwise.")] = None,
+    model: o.Model = DEFAULT_MODEL, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
+    dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
+    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None,
+    gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0,
+    top_p: o.TopP = 1.0, do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, stop: o.Stop = None,
+) -> None:
+    """Generate text; one prompt streams token by token to stdout, a one-line summary goes to stderr."""
+    from rosecli.engine.detokenizer import IncrementalDetokenizer
+    from rosecli.engine.llm import LLMEngine
+
+    t_start = time.perf_counter()
+    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, do_sample=do_sample, stop_on_eos=stop_on_eos, stop=stop)
+    config = o.engine_config(model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
+                             max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+                             gpu_memory_utilization=gpu_memory_utilization, paged_attn=paged_attn,
+                             cuda_graph=cuda_graph, max_batch_size=max(1, len(prompts)),
+                             prefill_max_batch_size=max(1, len(prompts)))
+    err = Console(stderr=True)
+    with startup_progress(err) as progress:
+        engine = LLMEngine(config, progress=progress)
+    try:
+        use_chat = engine.loaded.is_instruct if chat is None else chat
+        if use_chat and engine.tokenizer.chat_template is None:
+            o.fail(f"--chat was given but {engine.model_name} has no chat template: use --no-chat")
+        inputs = [engine.apply_chat_template(p) if use_chat else p for p in prompts]
+        single = len(prompts) == 1
+        # With stop strings, hold back text that could be the start of one until it is decided.
+        holdback = max((len(x) for x in params.stop), default=1) - 1
+        detoks: dict[int, IncrementalDetokenizer] = {}
+        texts: dict[int, str] = {}
+        shown = [0]
+        t_first: list[float] = []
+        out = sys.stdout
+
+        def on_tokens(tokens: dict[int, int]) -> None:
+            if not t_first:
+                t_first.append(time.perf_counter())
+            for rid, tok in tokens.items():
+                detok = detoks.get(rid)
+                if detok is None:
+                    detok = detoks[rid] = IncrementalDetokenizer(engine.tokenizer)
+                    texts[rid] = ""
+                texts[rid] += detok.push(tok)
+                if single and len(texts[rid]) - holdback > shown[0]:
+                    out.write(texts[rid][shown[0]:len(texts[rid]) - holdback])
+                    out.flush()
+                    shown[0] = len(texts[rid]) - holdback
+
+        t_submit = time.perf_counter()
+        seqs = engine.generate(inputs, params, on_tokens)
+        t_end = time.perf_counter()
+        final = {s.request_id: s.final_text if s.final_text is not None
+                 else texts.get(s.request_id, "") + (detoks[s.request_id].flush() if s.request_id in detoks else "")
+                 for s in seqs}
+        if single:
+            out.write(final[seqs[0].request_id][shown[0]:] + "\n")
+        else:
+            for i, seq in enumerate(seqs):
+                out.write(f"=== [{i}] {prompts[i]}\n{final[seq.request_id]}\n")
+        out.flush()
+        n_prompt = sum(s.num_prompt_tokens for s in seqs)
+        n_gen = sum(s.num_output_tokens for s in seqs)
+        ttft = (t_first[0] - t_submit) if t_first else float("nan")
+        decode_tokens = n_gen - len(seqs)
+        decode_s = t_end - t_first[0] if t_first else 0.0
+        tps = decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else float("nan")
+        reasons = ",".join(sorted({s.finish_reason.value for s in seqs if s.finish_reason}))
+        err.print(f"[dim]{engine.model_name} on {engine.device.type}: prompt tokens {n_prompt}, generated "
+                  f"tokens {n_gen}, TTFT {ttft * 1e3:.1f} ms, decode {tps:.1f} tok/s, finish {reasons}, "
+                  f"start to first token {(t_first[0] - t_start) if t_first else float('nan'):.2f} s[/dim]",
+                  highlight=False)
+    finally:
+        engine.close()

@@ -1,0 +1,32 @@
+"""The `rose` executable: Typer wiring only."""
+
+from __future__ import annotations
+
+import typer
+
+from rosecli.commands.generate import generate
+
+app = typer.Typer(name="rose", help="rose: fast LLM inference from the command line (generate, serve, "
+                  "benchmark, profile).", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+app.command("generate")(generate)
+
+bench_app = typer.Typer(help="Benchmarks: streaming (TTFT/TPOT/ITL) and scheduler throughput.",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def _not_yet(name: str):
+    def command() -> None:
+        typer.echo(f"error: `rose {name}` is not available yet in this version", err=True)
+        raise typer.Exit(3)
+    command.__doc__ = f"(not available yet) {name}"
+    return command
+
+
+app.command("serve-local", help="OpenAI-compatible streaming HTTP server on loopback (not available yet).")(
+    _not_yet("serve-local"))
+app.command("profile", help="NVTX ranges and a per-stage host-time table (not available yet).")(
+    _not_yet("profile"))
+bench_app.command("stream", help="Streaming benchmark (not available yet).")(_not_yet("bench stream"))
+bench_app.command("sched", help="Scheduler benchmark (not available yet).")(_not_yet("bench sched"))

@@ -1,0 +1,127 @@
+"""Every CLI option, spelled once. Subcommands reuse these annotated types and build the one
+`EngineConfig` / `SamplingParams` through `engine_config()` / `sampling_params()`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from rosecli.engine.config import EngineConfig, SamplingParams
+from rosecli.engine.errors import RoseError
+
+ENGINE = "Engine"
+SAMPLING = "Sampling"
+
+Model = Annotated[str, typer.Option("--model", help="smollm2-135m (default), gpt2 (with --load-format dummy), "
+                                    "a local Hugging Face directory, a .gguf file, or a hub id.",
+                                    rich_help_panel=ENGINE)]
+LoadFormat = Annotated[str, typer.Option("--load-format", help="auto: real weights; dummy: random seeded weights "
+                                         "of the named shape, no files needed.", rich_help_panel=ENGINE)]
+Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda.", rich_help_panel=ENGINE)]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, float16 on CUDA) | float32 | "
+                                    "float16 | bfloat16.", rich_help_panel=ENGINE)]
+Seed = Annotated[int, typer.Option("--seed", help="Seed for dummy weights and sampling.", rich_help_panel=ENGINE)]
+MaxModelLen = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length (default: the "
+                                                    "model's).", rich_help_panel=ENGINE)]
+BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", rich_help_panel=ENGINE)]
+NumGpuBlocks = Annotated[Optional[int], typer.Option("--num-gpu-blocks", help="KV blocks in the pool (default: "
+                                                     "sized from --gpu-memory-utilization on CUDA, 8192 tokens' "
+                                                     "worth on CPU).", rich_help_panel=ENGINE)]
+GpuMemUtil = Annotated[float, typer.Option("--gpu-memory-utilization", help="Share of GPU memory for weights, "
+                                           "activations and KV cache.", rich_help_panel=ENGINE)]
+PrefixCache = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Share KV blocks of "
+                                           "identical prompt prefixes.", rich_help_panel=ENGINE)]
+MaxBatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one decode step.",
+                                           rich_help_panel=ENGINE)]
+PrefillMaxBatchSize = Annotated[int, typer.Option("--prefill-max-batch-size", help="Most sequences in one "
+                                                  "prefill step.", rich_help_panel=ENGINE)]
+PrefillMaxTokens = Annotated[int, typer.Option("--prefill-max-tokens", help="Most prompt tokens in one prefill "
+                                               "step; longer prompts are prefilled in chunks.",
+                                               rich_help_panel=ENGINE)]
+MaxActive = Annotated[Optional[int], typer.Option("--max-active-requests", help="Most admitted (prefilling or "
+                                                  "decoding) requests; default --max-batch-size.",
+                                                  rich_help_panel=ENGINE)]
+PagedAttn = Annotated[Optional[bool], typer.Option("--paged-attn/--no-paged-attn", help="Triton paged-attention "
+                                                   "kernels (default on CUDA) or gather + SDPA.",
+                                                   rich_help_panel=ENGINE)]
+CudaGraph = Annotated[Optional[bool], typer.Option("--cuda-graph/--no-cuda-graph", help="Replay captured CUDA "
+                                                   "graphs for decode (default on CUDA).", rich_help_panel=ENGINE)]
+Nvtx = Annotated[bool, typer.Option("--nvtx", help="NVTX ranges over engine stages (for Nsight Systems).",
+                                    rich_help_panel=ENGINE)]
+StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush streamed text every N tokens "
+                                             "(and at finish).", rich_help_panel=ENGINE)]
+TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
+                                              "the engine thread (0: tokenize on the caller's thread).",
+                                              rich_help_panel=ENGINE)]
+MaxInflight = Annotated[Optional[int], typer.Option("--max-inflight-requests", help="Most requests submitted "
+                                                    "and not finished; beyond it admission waits or is "
+                                                    "refused.", rich_help_panel=ENGINE)]
+
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Most tokens to generate per request.",
+                                           rich_help_panel=SAMPLING)]
+Temperature = Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy. "
+                                                      "Default: 0, or 1.0 with --do-sample.",
+                                                      rich_help_panel=SAMPLING)]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: all).",
+                                   rich_help_panel=SAMPLING)]
+TopP = Annotated[float, typer.Option("--top-p", help="Keep the smallest set of tokens whose mass reaches p.",
+                                     rich_help_panel=SAMPLING)]
+DoSample = Annotated[bool, typer.Option("--do-sample", help="Sample instead of greedy decoding.",
+                                        rich_help_panel=SAMPLING)]
+StopOnEos = Annotated[bool, typer.Option("--stop-on-eos/--no-stop-on-eos", help="Stop at the model's EOS token.",
+                                         rich_help_panel=SAMPLING)]
+Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in "
+                                                   "the output.", rich_help_panel=SAMPLING)]
+
+
+def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed: int,
+                  max_model_len: Optional[int] = None, block_size: int = 16,
+                  num_gpu_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
+                  prefix_cache: bool = True, max_batch_size: int = 64, prefill_max_batch_size: int = 64,
+                  prefill_max_tokens: int = 2048, max_active_requests: Optional[int] = None,
+                  paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None, nvtx: bool = False,
+                  stream_interval: int = 1, tokenize_workers: int = 0,
+                  max_inflight_requests: Optional[int] = None, show_progress: bool = True) -> EngineConfig:
+    return EngineConfig(
+        model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_cache=prefix_cache,
+        max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
+        prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
+        paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx, stream_interval=stream_interval,
+        tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests,
+        show_progress=show_progress)
+
+
+def sampling_params(*, max_new_tokens: int, temperature: Optional[float], top_k: int, top_p: float,
+                    do_sample: bool, stop_on_eos: bool, stop: Optional[list[str]] = None,
+                    seed: Optional[int] = None) -> SamplingParams:
+    """Greedy unless --do-sample or a positive --temperature is given (as vLLM: temperature > 0 samples)."""
+    if temperature is None:
+        temperature = 1.0 if do_sample else 0.0
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          stop_on_eos=stop_on_eos, stop=list(stop or []), seed=seed)
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def user_errors(fn):
+    """Turn a user's mistake (RoseError) into one line on stderr and a non-zero exit, no traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RoseError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+
+    return wrapper

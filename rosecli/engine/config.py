@@ -1,0 +1,132 @@
+"""Engine and sampling configuration: validated once, at construction.
+
+Every `rose` subcommand builds one `EngineConfig` from the same options
+(`rosecli/commands/options.py`); nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rosecli.engine.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def _check_int(name: str, value: int, lo: int, hi: Optional[int] = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    if hi is not None:
+        ok = ok and value <= hi
+    rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+    _check(ok, f"{name} must be an integer {rng}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything that decides how the engine runs. Option names match the CLI flags."""
+
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    # KV cache
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_cache: bool = True
+    # Scheduling
+    max_batch_size: int = 64
+    prefill_max_batch_size: int = 64
+    prefill_max_tokens: int = 2048
+    max_active_requests: Optional[int] = None
+    # Execution paths (None = on when the device is CUDA)
+    paged_attn: Optional[bool] = None
+    cuda_graph: Optional[bool] = None
+    nvtx: bool = False
+    # Streaming manager
+    stream_interval: int = 1
+    tokenize_workers: int = 0
+    max_inflight_requests: Optional[int] = None
+    # Where converted models are cached (None = ~/.cache/rosecli)
+    cache_dir: Optional[str] = None
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "--model must name a model")
+        _check(self.load_format in LOAD_FORMATS,
+               f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        _check(self.device in DEVICES,
+               f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _check(self.dtype in DTYPES,
+               f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check_int("--seed", self.seed, 0)
+        if self.max_model_len is not None:
+            _check_int("--max-model-len", self.max_model_len, 1)
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+               f"--block-size must be a power of two from 1 to 128, got {self.block_size!r}")
+        if self.num_gpu_blocks is not None:
+            _check_int("--num-gpu-blocks", self.num_gpu_blocks, 1)
+        _check(isinstance(self.gpu_memory_utilization, (int, float))
+               and 0.0 < self.gpu_memory_utilization <= 1.0,
+               f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_int("--max-batch-size", self.max_batch_size, 1, 1024)
+        _check_int("--prefill-max-batch-size", self.prefill_max_batch_size, 1, 1024)
+        _check_int("--prefill-max-tokens", self.prefill_max_tokens, 1)
+        if self.max_active_requests is not None:
+            _check_int("--max-active-requests", self.max_active_requests, 1)
+        _check_int("--stream-interval", self.stream_interval, 1)
+        _check_int("--tokenize-workers", self.tokenize_workers, 0, 64)
+        if self.max_inflight_requests is not None:
+            _check_int("--max-inflight-requests", self.max_inflight_requests, 1)
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and stops.
+
+    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1 disable those filters.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_on_eos: bool = True
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0.0
+               and self.temperature == self.temperature,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check_int("top_k", self.top_k, 0)
+        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

@@ -1,0 +1,21 @@
+"""Errors a user can cause and fix. Commands print these as one line, never a traceback."""
+
+
+class RoseError(Exception):
+    """A problem the user can fix; the message names the problem and the fix."""
+
+
+class ConfigError(RoseError, ValueError):
+    """An option or parameter outside its allowed range."""
+
+
+class ModelLoadError(RoseError):
+    """A model could not be found, read or understood."""
+
+
+class RequestError(RoseError, ValueError):
+    """A single request is invalid (too long, bad parameters); the engine keeps running."""
+
+
+class OverloadedError(RoseError):
+    """Admission refused because too many requests are in flight."""

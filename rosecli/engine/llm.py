@@ -1,0 +1,82 @@
+"""The engine: resolves device and dtype, loads the model, builds runner and scheduler.
+
+Every command drives this one object (directly or through the streaming manager).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Union
+
+import torch
+
+from rosecli.engine.config import EngineConfig, SamplingParams
+from rosecli.engine.errors import ConfigError
+from rosecli.engine.runner import ModelRunner
+from rosecli.engine.scheduler import Scheduler
+from rosecli.engine.sequence import Sequence
+from rosecli.engine.stages import Stages
+
+Progress = Callable[[str, int, int], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was given but no CUDA GPU is visible to torch: "
+                          "use --device cpu (or auto)")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; on CUDA float16 (what the reference posts measured)."""
+    if name == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, name)
+    if device.type == "cpu" and dtype is torch.float16:
+        raise ConfigError("--dtype float16 is too slow and imprecise on CPU: use float32 or bfloat16")
+    return dtype
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: Optional[Progress] = None,
+                 log: Callable[[str], None] = lambda msg: None, stages: Optional[Stages] = None):
+        from rosecli.engine.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.stages = stages or Stages(nvtx=config.nvtx)
+        torch.manual_seed(config.seed)
+        t0 = time.perf_counter()
+        self.loaded = load_model(config, self.device, self.dtype, progress)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.startup_times: dict[str, float] = {"model_load_s": time.perf_counter() - t0}
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self.loaded.max_model_len
+        self.runner = ModelRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
+                                  self.stages, log)
+        self.startup_times.update(self.runner.prepare(progress))
+        self.scheduler = Scheduler(config, self.runner, self.tokenizer, self.loaded.eos_token_ids,
+                                   self.max_model_len, self.stages)
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    def apply_chat_template(self, prompt: str) -> list[int]:
+        messages = [{"role": "user", "content": prompt}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate(self, prompts: list[Union[str, list[int]]],
+                 params: Union[SamplingParams, list[SamplingParams], None] = None,
+                 on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> list[Sequence]:
+        return self.scheduler.run_to_completion(prompts, params, on_tokens)
+
+    def close(self) -> None:
+        self.runner.close()

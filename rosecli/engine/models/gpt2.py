@@ -1,0 +1,82 @@
+"""GPT-2, loading Hugging Face weight names (`transformer.h.N...`, Conv1D weights transposed)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rosecli.engine.attention import Attention, AttentionMetadata
+from rosecli.engine.models.common import check_all_loaded, copy_weight
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d, heads = cfg.n_embd, cfg.n_head
+        inner = cfg.n_inner or 4 * d
+        self.head_dim = d // heads
+        self.ln_1 = nn.LayerNorm(d, eps=cfg.layer_norm_epsilon)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.attn_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d, eps=cfg.layer_norm_epsilon)
+        self.c_fc = nn.Linear(d, inner)
+        self.mlp_proj = nn.Linear(inner, d)
+        self.attn = Attention(heads, heads, self.head_dim, self.head_dim ** -0.5)
+        self.d = d
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(self.ln_1(x)).split(self.d, dim=-1)
+        x = x + self.attn_proj(self.attn(q, k, v, meta))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT2ForCausalLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.num_layers = cfg.n_layer
+        self.num_kv_heads = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.vocab_size = cfg.vocab_size
+        self.max_position = cfg.n_positions
+
+    def attention_layers(self) -> list[Attention]:
+        return [blk.attn for blk in self.h]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)
+        for blk in self.h:
+            x = blk(x, meta)
+        return self.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.wte.weight).float()
+
+    # Hugging Face name (after the optional "transformer." prefix) -> (our name, transpose?)
+    _RENAMES = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj", "mlp.c_fc": "c_fc",
+                "mlp.c_proj": "mlp_proj"}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("transformer.")
+            if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+                continue  # causal-mask buffers; lm_head is tied to wte
+            transpose = False
+            for hf, ours in self._RENAMES.items():
+                if f".{hf}." in name:
+                    name = name.replace(f".{hf}.", f".{ours}.")
+                    transpose = name.endswith(".weight")
+            if name not in params:
+                continue
+            copy_weight(params[name], tensor.t() if transpose else tensor, name)
+            loaded.add(name)
+        check_all_loaded(self, loaded)

@@ -1,0 +1,293 @@
+"""The online scheduler: continuous batching, chunked prefill, preemption, stopping.
+
+Policy (stated here and kept):
+- Admission is first come, first served; a request that does not fit (KV blocks, active-set
+  or batch limits) blocks those behind it, so nobody is overtaken.
+- A step is either a prefill step or a decode step. Prefill goes first, but never twice in a
+  row while decodes are running: a decode step always follows a prefill step, so a running
+  stream stalls for at most one prefill chunk (``prefill_max_tokens`` tokens).
+- Prompts longer than the step's token budget are prefilled in chunks over several steps.
+- The decode batch holds at most ``max_batch_size`` sequences; when more are running they take
+  turns in round-robin order.
+- When a decode step needs a KV block and none is free, the most recently admitted request is
+  preempted: its blocks are freed and it waits at the head of the queue to be recomputed
+  (prompt plus the tokens it already produced; nothing a user received is dropped or repeated).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Optional, Union
+
+from rosecli.engine.block_manager import BlockManager
+from rosecli.engine.config import EngineConfig, SamplingParams
+from rosecli.engine.errors import RequestError
+from rosecli.engine.runner import ModelRunner
+from rosecli.engine.sequence import FinishReason, Sequence, SequenceStatus
+from rosecli.engine.stages import Stages
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+                 max_model_len: int, stages: Optional[Stages] = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.stages = stages or runner.stages
+        self.clock = clock
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.max_active = config.max_active_requests or config.max_batch_size
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
+        self.running: list[Sequence] = []  # decoding
+        self.seqs: dict[int, Sequence] = {}
+        self._finished_ids: list[int] = []
+        self._next_id = 0
+        self._arrivals = 0
+        self._last_was_prefill = False
+        self._rr = 0
+        self.num_preemptions = 0
+        self.finish_counts: dict[str, int] = {}
+
+    # --- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+
+    def validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty: give at least one token of text")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens but the model's context is "
+                               f"{self.max_model_len}: shorten the prompt (at least one token must be left "
+                               "to generate)")
+        if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
+                               f"({self.block_manager.num_blocks * self.config.block_size} tokens)")
+
+    def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+                    request_id: Optional[int] = None) -> int:
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(token_ids)
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = self._next_id
+            self._next_id += 1
+        elif request_id in self.seqs:
+            raise RequestError(f"request id {request_id} is already in use")
+        else:
+            self._next_id = max(self._next_id, request_id + 1)
+        seq = Sequence(request_id, token_ids, params, self._arrivals)
+        self._arrivals += 1
+        if params.stop:
+            from rosecli.engine.detokenizer import IncrementalDetokenizer
+            seq.detokenizer = [IncrementalDetokenizer(self.tokenizer, token_ids), ""]
+        self.seqs[request_id] = seq
+        self.waiting.append(seq)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def is_finished(self, request_id: int) -> bool:
+        seq = self.seqs.get(request_id)
+        return seq is None or seq.is_finished
+
+    def pop_finished_ids(self) -> list[int]:
+        ids, self._finished_ids = self._finished_ids, []
+        return ids
+
+    def get(self, request_id: int) -> Optional[Sequence]:
+        return self.seqs.get(request_id)
+
+    def pop_response(self, request_id: int) -> str:
+        """The finished request's output text (cut before a stop string); forgets the request."""
+        seq = self.seqs.pop(request_id)
+        if seq.final_text is not None:
+            return seq.final_text
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    def discard_request(self, request_id: int) -> None:
+        """Drop a request (its caller went away): blocks are released at once."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return
+        if not seq.is_finished:
+            self._finish(seq, FinishReason.ABORT, announce=False)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> dict[int, int]:
+        """Run one prefill or decode step; return the token each request produced in it."""
+        with self.stages.range("scheduler_step"):
+            can_prefill = bool(self.prefilling or self.waiting)
+            if can_prefill and not (self._last_was_prefill and self.running):
+                with self.stages.range("prefill_admission"):
+                    batch, chunks = self._schedule_prefill()
+                if batch:
+                    self._last_was_prefill = True
+                    return self._run(batch, chunks, is_prefill=True)
+            self._last_was_prefill = False
+            batch = self._schedule_decode()
+            if not batch:
+                return {}
+            return self._run(batch, [1] * len(batch), is_prefill=False)
+
+    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+        cfg = self.config
+        budget = cfg.prefill_max_tokens
+        batch: list[Sequence] = []
+        chunks: list[int] = []
+        for seq in self.prefilling:  # continue chunked prompts first, in admission order
+            if budget <= 0 or len(batch) >= cfg.prefill_max_batch_size:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.append(seq)
+            chunks.append(n)
+            budget -= n
+        now = None
+        while self.waiting and budget > 0 and len(batch) < cfg.prefill_max_batch_size:
+            if len(self.prefilling) + len(self.running) >= self.max_active:
+                break
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.admitted_at is None:
+                now = now or self.clock()
+                seq.admitted_at = now
+            self.prefilling.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.append(seq)
+            chunks.append(n)
+            budget -= n
+        return batch, chunks
+
+    def _schedule_decode(self) -> list[Sequence]:
+        running = self.running
+        if not running:
+            return []
+        limit = self.config.max_batch_size
+        if len(running) > limit:  # take turns
+            start = self._rr % len(running)
+            batch = (running[start:] + running[:start])[:limit]
+            self._rr = start + limit
+        else:
+            batch = list(running)
+        bm = self.block_manager
+        scheduled: list[Sequence] = []
+        for seq in batch:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            while not bm.can_append(seq):
+                victim = self._newest_admitted()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq)
+                scheduled.append(seq)
+        return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
+
+    def _newest_admitted(self) -> Sequence:
+        candidates = self.running + self.prefilling
+        return max(candidates, key=lambda s: s.arrival_index)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _run(self, batch: list[Sequence], chunks: list[int], is_prefill: bool) -> dict[int, int]:
+        sampled = self.runner.execute(batch, chunks, is_prefill)
+        now = self.clock()
+        out: dict[int, int] = {}
+        bm = self.block_manager
+        for seq, n, token in zip(batch, chunks, sampled):
+            seq.num_computed_tokens += n
+            bm.commit_full_blocks(seq)
+            if token is None:
+                continue  # a chunk of a longer prompt
+            if is_prefill:
+                self.prefilling.remove(seq)
+                self.running.append(seq)
+            seq.token_ids.append(token)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            out[seq.request_id] = token
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                seq.finished_at = now
+                self._finish(seq, reason)
+        return out
+
+    def _check_stop(self, seq: Sequence, token: int) -> Optional[FinishReason]:
+        p = seq.params
+        if p.stop_on_eos and token in self.eos_token_ids:
+            return FinishReason.STOP
+        if token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.detokenizer is not None:
+            state = seq.detokenizer
+            state[1] += state[0].push(token)
+            text = state[1]
+            window = max(len(s) for s in p.stop) + 16
+            hits = [i for i in (text.find(s, max(0, len(text) - window)) for s in p.stop) if i >= 0]
+            if hits:
+                seq.final_text = text[:min(hits)]
+                seq.stop_text = text[min(hits):]
+                return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, announce: bool = True) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.detokenizer is not None and seq.final_text is None:
+            seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
+        seq.detokenizer = None
+        self.block_manager.free(seq)
+        self.runner.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.finish_counts[reason.value] = self.finish_counts.get(reason.value, 0) + 1
+        if announce:
+            self._finished_ids.append(seq.request_id)
+
+    # --- offline ----------------------------------------------------------------------------
+    def run_to_completion(self, prompts: list[Union[str, list[int]]],
+                          params: Union[SamplingParams, list[SamplingParams], None] = None,
+                          on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> list[Sequence]:
+        """Offline path: run a list of requests to completion; returns their finished sequences."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        seqs = [self.seqs[i] for i in ids]
+        while self.has_unfinished():
+            tokens = self.step()
+            if on_tokens and tokens:
+                on_tokens(tokens)
+        self.pop_finished_ids()
+        for i in ids:
+            self.seqs.pop(i, None)
+        return seqs

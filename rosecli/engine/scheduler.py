@@ -49,6 +49,7 @@ class Scheduler:
         self._next_id = 0
         self._arrivals = 0
         self._last_was_prefill = False
+        self.last_step_kind = "idle"  # "prefill" | "decode" | "idle": what the last step() ran
         self._rr = 0
         self.num_preemptions = 0
         self.finish_counts: dict[str, int] = {}
@@ -131,11 +132,14 @@ class Scheduler:
                     batch, chunks = self._schedule_prefill()
                 if batch:
                     self._last_was_prefill = True
+                    self.last_step_kind = "prefill"
                     return self._run(batch, chunks, is_prefill=True)
             self._last_was_prefill = False
             batch = self._schedule_decode()
             if not batch:
+                self.last_step_kind = "idle"
                 return {}
+            self.last_step_kind = "decode"
             return self._run(batch, [1] * len(batch), is_prefill=False)
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:

@@ -58,19 +58,23 @@ class RequestOutput:
 class _End:
     __slots__ = ()
 
+    def __repr__(self) -> str:
+        return "END"
 
-_END = _End()
+
+END = _END = _End()  # the last item of every request's stream
 
 
 class _Request:
-    __slots__ = ("rid", "params", "queue", "detok", "text", "sent", "pending_tokens", "holdback",
+    __slots__ = ("rid", "params", "queue", "sink", "detok", "text", "sent", "pending_tokens", "holdback",
                  "prompt_tokens", "output_tokens", "finish_reason", "ts", "done", "abandoned",
                  "cached_tokens", "error")
 
-    def __init__(self, rid: int, params: SamplingParams, submit: float):
+    def __init__(self, rid: int, params: SamplingParams, submit: float, sink: Optional[queue.SimpleQueue]):
         self.rid = rid
         self.params = params
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.sink = sink
+        self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
         self.detok: Optional[IncrementalDetokenizer] = None
         self.text = ""  # detokenized so far
         self.sent = 0  # characters of text already put on the queue
@@ -147,10 +151,15 @@ class StreamingManager:
         return self.error is None and self._thread.is_alive()
 
     def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
-                    wait: bool = True, timeout: Optional[float] = None) -> int:
+                    wait: bool = True, timeout: Optional[float] = None,
+                    sink: Optional[queue.SimpleQueue] = None) -> int:
         """Submit a request; returns its id at once. Beyond ``max_inflight_requests`` it waits for
         room (``wait=True``) or raises OverloadedError. Invalid prompts raise RequestError here
-        when tokenized on this thread, or end the stream with it when tokenized by the pool."""
+        when tokenized on this thread, or end the stream with it when tokenized by the pool.
+
+        With ``sink``, the request's pieces go to that shared queue as ``(request_id, piece)``,
+        ending with ``(request_id, END)``, so one consumer can read many requests; then call
+        ``take_output(request_id)`` after END."""
         submit = time.perf_counter()
         if self.error is not None or self._stop:
             raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
@@ -164,7 +173,7 @@ class StreamingManager:
             self.scheduler.validate(token_ids)
         self._acquire_slot(wait, timeout)
         rid = next(self._ids)
-        req = _Request(rid, params, submit)
+        req = _Request(rid, params, submit, sink)
         with self._lock:
             self._requests[rid] = req
         if token_ids is not None:
@@ -226,6 +235,15 @@ class StreamingManager:
         for _ in stream:
             pass
         return stream.output
+
+    def take_output(self, rid: int) -> RequestOutput:
+        """The output of a sink-mode request after its END; forgets the request."""
+        with self._lock:
+            req = self._requests.pop(rid)
+        if req.error is not None:
+            raise req.error
+        return RequestOutput(req.rid, req.text, req.prompt_tokens, req.output_tokens, req.finish_reason, req.ts,
+                             req.cached_tokens)
 
     def abort(self, rid: int) -> None:
         with self._lock:
@@ -342,7 +360,7 @@ class StreamingManager:
                     req.ts.token_times.append(now)
                 req.text += req.detok.push(tok)
                 req.pending_tokens += 1
-                if req.pending_tokens >= interval:
+                if req.pending_tokens >= interval or req.output_tokens == 1:  # first token at once
                     self._flush(req, now)
         with stages.range("stream_flush", len(done)):
             for req in done:
@@ -363,7 +381,7 @@ class StreamingManager:
     def _flush(self, req: _Request, now: float, final: bool = False) -> None:
         upto = len(req.text) if final else len(req.text) - req.holdback
         if upto > req.sent:
-            req.queue.put(req.text[req.sent:upto])
+            self._put(req, req.text[req.sent:upto])
             req.sent = upto
             if self.record_timestamps:
                 req.ts.flush_times.append(now)
@@ -374,8 +392,12 @@ class StreamingManager:
         if req.done.is_set():
             return
         req.done.set()
-        req.queue.put(_END)
+        self._put(req, _END)
         self._release_slot()
+
+    @staticmethod
+    def _put(req: _Request, item) -> None:
+        req.queue.put(item if req.sink is None else (req.rid, item))
 
     def _fail(self, req: _Request, error: BaseException) -> None:
         if req.done.is_set():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from rosecli.commands.generate import generate
+from rosecli.commands.profile import profile
 
 app = typer.Typer(name="rose", help="rose: fast LLM inference from the command line (generate, serve, "
                   "benchmark, profile).", no_args_is_help=True, add_completion=False,
@@ -26,7 +27,6 @@ def _not_yet(name: str):
 
 app.command("serve-local", help="OpenAI-compatible streaming HTTP server on loopback (not available yet).")(
     _not_yet("serve-local"))
-app.command("profile", help="NVTX ranges and a per-stage host-time table (not available yet).")(
-    _not_yet("profile"))
+app.command("profile")(profile)
 bench_app.command("stream", help="Streaming benchmark (not available yet).")(_not_yet("bench stream"))
 bench_app.command("sched", help="Scheduler benchmark (not available yet).")(_not_yet("bench sched"))

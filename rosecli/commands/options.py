@@ -125,3 +125,54 @@ def user_errors(fn):
             sys.exit(130)
 
     return wrapper
+
+
+WORKLOAD = "Workload"
+Prompt = Annotated[str, typer.Option("--prompt", help="Prompt text of every request.", rich_help_panel=WORKLOAD)]
+PromptRepeats = Annotated[int, typer.Option("--prompt-repeats", help="Repeat the prompt N times (longer prompts).",
+                                            rich_help_panel=WORKLOAD)]
+UniquePrompts = Annotated[bool, typer.Option("--unique-prompts", help="Prefix each prompt with its index so no two "
+                                             "share a prefix.", rich_help_panel=WORKLOAD)]
+Pretok = Annotated[bool, typer.Option("--pretok", help="Tokenize prompts before the run; the engine gets ids.",
+                                      rich_help_panel=WORKLOAD)]
+NumRequests = Annotated[int, typer.Option("--num-requests", help="Requests per run.", rich_help_panel=WORKLOAD)]
+InputLen = Annotated[Optional[int], typer.Option("--input-len", help="Random-token prompts of this many tokens "
+                                                 "(replaces --prompt).", rich_help_panel=WORKLOAD)]
+OutputLen = Annotated[Optional[int], typer.Option("--output-len", help="New tokens per request (replaces "
+                                                  "--max-new-tokens; varies with --range-ratio).",
+                                                  rich_help_panel=WORKLOAD)]
+RangeRatio = Annotated[float, typer.Option("--range-ratio", help="--input-len/--output-len vary uniformly within "
+                                           "+- this fraction.", rich_help_panel=WORKLOAD)]
+SubmitIntervalMs = Annotated[float, typer.Option("--submit-interval-ms", help="Gap between submits (0: all at "
+                                                 "once).", rich_help_panel=WORKLOAD)]
+SubmitSchedule = Annotated[str, typer.Option("--submit-schedule", help="absolute: request i is due at i*interval; "
+                                             "relative: wait the interval after each submit returns.",
+                                             rich_help_panel=WORKLOAD)]
+RequestRate = Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals at this many "
+                                                      "requests/s (seeded by --seed).", rich_help_panel=WORKLOAD)]
+WarmupRuns = Annotated[int, typer.Option("--warmup-runs", help="Runs before measuring (not counted).",
+                                         rich_help_panel=WORKLOAD)]
+RepeatRuns = Annotated[int, typer.Option("--repeat-runs", help="Measured runs; the summary is their median.",
+                                         rich_help_panel=WORKLOAD)]
+
+
+def workload_spec(*, prompt: str, prompt_repeats: int, unique_prompts: bool, pretok: bool, num_requests: int,
+                  max_new_tokens: int, input_len: Optional[int], output_len: Optional[int], range_ratio: float,
+                  submit_interval_ms: float, submit_schedule: str, request_rate: Optional[float], seed: int):
+    from rosecli.bench.workload import WorkloadSpec
+
+    return WorkloadSpec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
+                        num_requests=num_requests, max_new_tokens=max_new_tokens, input_len=input_len,
+                        output_len=output_len, range_ratio=range_ratio, submit_interval_ms=submit_interval_ms,
+                        submit_schedule=submit_schedule,
+                        request_rate=None if request_rate is None else float(request_rate), seed=seed,
+                        pretok=pretok)
+
+
+def check_runs(warmup_runs: int, repeat_runs: int) -> None:
+    from rosecli.engine.errors import ConfigError
+
+    if warmup_runs < 0:
+        raise ConfigError(f"--warmup-runs must be >= 0, got {warmup_runs}")
+    if repeat_runs < 1:
+        raise ConfigError(f"--repeat-runs must be >= 1, got {repeat_runs}")

@@ -1,0 +1,81 @@
+"""`rose profile`: where every step's time goes (NVTX for Nsight Systems, torch trace, host table)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rosecli.commands import options as o
+from rosecli.commands.progress import startup_progress
+from rosecli.engine.config import DEFAULT_MODEL
+
+
+@o.user_errors
+def profile(
+    torch_trace: Annotated[Optional[str], typer.Option("--torch-trace", help="Also record the measured window "
+                                                       "with the torch profiler into this directory (Chrome/"
+                                                       "Perfetto JSON).")] = None,
+    model: o.Model = DEFAULT_MODEL, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
+    dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None, block_size: o.BlockSize = 16,
+    num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
+    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
+    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
+    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
+    max_inflight_requests: o.MaxInflight = None,
+    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
+    pretok: o.Pretok = False, num_requests: o.NumRequests = 8, input_len: o.InputLen = None,
+    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0, submit_interval_ms: o.SubmitIntervalMs = 0.0,
+    submit_schedule: o.SubmitSchedule = "absolute", request_rate: o.RequestRate = None,
+    warmup_runs: o.WarmupRuns = 1,
+    max_new_tokens: o.MaxNewTokens = 32, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
+    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True,
+) -> None:
+    """Run a short workload after start-up and warm-up; print host time per engine stage.
+
+    With --nvtx, every stage is an NVTX range (batch size / token count in its name) and the
+    measured window is bracketed by cudaProfilerStart/Stop, e.g.
+    `nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi -o rose rose profile --nvtx`.
+    """
+    from rosecli.bench.profile import run_profile
+    from rosecli.engine.llm import LLMEngine
+
+    o.check_runs(warmup_runs, 1)
+    spec = o.workload_spec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
+                           pretok=pretok, num_requests=num_requests, max_new_tokens=max_new_tokens,
+                           input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                           submit_interval_ms=submit_interval_ms, submit_schedule=submit_schedule,
+                           request_rate=request_rate, seed=seed)
+    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               do_sample=do_sample, stop_on_eos=stop_on_eos)
+    config = o.engine_config(
+        model=model, load_format=load_format, device=device, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        block_size=block_size, num_gpu_blocks=num_gpu_blocks, gpu_memory_utilization=gpu_memory_utilization,
+        prefix_cache=prefix_cache, max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
+        prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests, paged_attn=paged_attn,
+        cuda_graph=cuda_graph, nvtx=nvtx, stream_interval=stream_interval, tokenize_workers=tokenize_workers,
+        max_inflight_requests=max_inflight_requests)
+    console = Console()
+    err = Console(stderr=True)
+    with startup_progress(err) as progress:
+        engine = LLMEngine(config, progress=progress)
+    try:
+        result = run_profile(engine, spec, params, warmup_runs=warmup_runs, torch_trace_dir=torch_trace)
+    finally:
+        engine.close()
+    run = result.run
+    tokens = sum(t.output_tokens for t in run.timings)
+    table = Table(title=f"Host time per stage: {engine.model_name} on {engine.device.type}, {spec.num_requests} "
+                        f"requests, {tokens} tokens in {result.window_s:.3f} s (measured window)")
+    for col in ("stage", "count", "total ms", "mean us", "p99 us", "share"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for r in result.rows:
+        table.add_row(r["stage"], str(r["count"]), f"{r['total_ms']:.2f}", f"{r['mean_us']:.1f}",
+                      f"{r['p99_us']:.1f}", f"{100 * r['share']:.1f}%")
+    table.add_row("total", "", f"{sum(r['total_ms'] for r in result.rows):.2f}", "", "", "100.0%")
+    console.print(table)
+    if result.trace_path:
+        console.print(f"torch trace: {result.trace_path}")

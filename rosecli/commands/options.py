@@ -56,6 +56,9 @@ StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush st
 TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
                                               "the engine thread (0: tokenize on the caller's thread).",
                                               rich_help_panel=ENGINE)]
+CacheDir = Annotated[Optional[str], typer.Option("--cache-dir", envvar="ROSE_CACHE_DIR", help="Where converted "
+                                                 "models are cached (default ~/.cache/rosecli).",
+                                                 rich_help_panel=ENGINE)]
 MaxInflight = Annotated[Optional[int], typer.Option("--max-inflight-requests", help="Most requests submitted "
                                                     "and not finished; beyond it admission waits or is "
                                                     "refused.", rich_help_panel=ENGINE)]
@@ -84,7 +87,8 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
                   prefill_max_tokens: int = 2048, max_active_requests: Optional[int] = None,
                   paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None, nvtx: bool = False,
                   stream_interval: int = 1, tokenize_workers: int = 0,
-                  max_inflight_requests: Optional[int] = None, show_progress: bool = True) -> EngineConfig:
+                  max_inflight_requests: Optional[int] = None, cache_dir: Optional[str] = None,
+                  show_progress: bool = True) -> EngineConfig:
     return EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -92,7 +96,7 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
         max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
         prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
         paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx, stream_interval=stream_interval,
-        tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests,
+        tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
         show_progress=show_progress)
 
 

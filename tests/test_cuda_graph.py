@@ -8,7 +8,6 @@ from rosecli.engine.models import model_class
 from rosecli.engine.runner import ModelRunner, graph_batch_sizes
 from rosecli.engine.scheduler import Scheduler
 
-pytestmark = pytest.mark.gpu
 
 
 def test_bucket_sizes():
@@ -29,6 +28,7 @@ def _scheduler(kind: str, graphs: bool, max_batch: int = 24):
     return Scheduler(config, runner, None, [1], 256)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
     g = torch.Generator().manual_seed(3)
@@ -54,6 +54,7 @@ def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.gpu
 def test_decode_step_allocates_nothing(monkeypatch):
     sched = _scheduler("gpt2", graphs=True, max_batch=8)
     for i in range(5):

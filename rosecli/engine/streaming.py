@@ -346,6 +346,7 @@ class StreamingManager:
                 done = [self._requests.get(rid) for rid in finished]
             interval = self.stream_interval
             record = self.record_timestamps
+            finishing = set(finished) if finished else ()
             for req, tok in records:
                 if req is None or req.abandoned:
                     continue
@@ -360,7 +361,8 @@ class StreamingManager:
                     req.ts.token_times.append(now)
                 req.text += req.detok.push(tok)
                 req.pending_tokens += 1
-                if req.pending_tokens >= interval or req.output_tokens == 1:  # first token at once
+                # first token at once; a finishing request is flushed below, after any stop-string cut
+                if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
                     self._flush(req, now)
         with stages.range("stream_flush", len(done)):
             for req in done:

@@ -4,6 +4,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from rosecli.kernels.paged_decode import gather_kv
 
@@ -41,7 +43,71 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            max_seqlen_q, max_context_len, scale):
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                       max_seqlen_q, max_context_len, scale)
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+                    scale, q_stride_n, q_stride_h, out_stride_n, out_stride_h, bt_stride, KV_HEADS: tl.constexpr,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    n = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if mb * BLOCK_M >= n:
+        return
+    ctx = tl.load(context_lens_ptr + b)
+    kvh = h // GROUP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    mmask = offs_m < n
+    qpos = ctx - n + offs_m  # absolute position of each query token
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * q_stride_n + h * q_stride_h + d[None, :], mask=mmask[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    t = tl.arange(0, BLOCK_N)
+    row = KV_HEADS * HEAD_DIM
+    last = tl.minimum(ctx, ctx - n + (mb + 1) * BLOCK_M)  # keys past the last query of this tile are masked
+    for tok0 in range(0, last, BLOCK_N):
+        tok = tok0 + t
+        tmask = tok < last
+        block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale
+        allowed = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * out_stride_n + h * out_stride_h + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
+                            max_context_len, scale):
+    """Flash attention over the paged cache: grid (query tiles, sequences, heads)."""
+    total, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    batch = cu_seqlens_q.shape[0] - 1
+    if total == 0 or batch == 0:
+        return out
+    block_m = PREFILL_BLOCK_M if max_seqlen_q > 16 else 16
+    grid = (triton.cdiv(max_seqlen_q, block_m), batch, heads)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale, q.stride(0),
+                          q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), KV_HEADS=kv_heads,
+                          GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                          BLOCK_N=max(PREFILL_BLOCK_N, block_size), num_warps=4, num_stages=2)
+    return out

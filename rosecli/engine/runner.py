@@ -131,7 +131,7 @@ class ModelRunner:
         self.h_slots = host(mb, torch.long)
         self.h_context_lens = host(mb, torch.int32)
         self.h_block_tables = host((mb, nb), torch.int32)
-        self.h_sampled = host(mb, torch.long)
+        self.h_sampled = host(max(mb, self.config.prefill_max_batch_size), torch.long)  # prefill samples too
         self.np_input_ids = self.h_input_ids.numpy()
         self.np_positions = self.h_positions.numpy()
         self.np_slots = self.h_slots.numpy()
@@ -176,8 +176,9 @@ class ModelRunner:
         """Run prefill and eager decode over a few shapes so Triton compiles now (it specialises
         integer arguments on ==1 and divisibility by 16). Writes only blocks no request holds yet."""
         bs = self.block_size
-        for lens in ([1], [3, 17], [16, 32], [5] * min(4, self.max_batch_size)):
-            lens = [min(n, self.max_model_len) for n in lens]
+        most = min(self.max_batch_size, self.config.prefill_max_batch_size)
+        for lens in ([1], [3, 17], [16, 32], [5] * 4):
+            lens = [min(n, self.max_model_len) for n in lens[:most]]
             if sum(math.ceil(n / bs) for n in lens) > self.num_blocks:
                 continue
             seqs, next_block = [], 0

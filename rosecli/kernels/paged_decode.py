@@ -18,11 +18,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# Launch table (see scripts/bench_kernels.py, which measures it on the GPU):
+# Launch table, measured with `scripts/bench_kernels.py --sweep` on an H100 (see docs/kernels.md).
 TARGET_PROGRAMS = 264  # ~2 per SM on an H100 (132 SMs)
-TILE_TOKENS = 64  # tokens per inner iteration (several KV blocks)
 MIN_SPLIT_TOKENS = 256  # a split never covers fewer tokens than this
+TILE_TOKENS = 64  # tokens per inner iteration (several KV blocks)
 NUM_WARPS = 4
+USE_DOT_MIN_GROUP = 2  # GQA groups go through tensor cores (group padded to 16); MHA uses a vector path
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -52,11 +53,12 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.squeeze(2)
 
 
-def decode_launch(batch: int, kv_heads: int, max_context_len: int, block_size: int) -> tuple[int, int, int]:
+def decode_launch(batch: int, kv_heads: int, max_context_len: int, block_size: int,
+                  tile_tokens: int = 0, target_programs: int = 0) -> tuple[int, int, int]:
     """(num_splits, tokens per split, tokens per tile) for a shape; fixed rule, no autotuning."""
-    tile = max(TILE_TOKENS, block_size)
+    tile = max(tile_tokens or TILE_TOKENS, block_size)
     max_tiles = max(1, math.ceil(max_context_len / tile))
-    want = max(1, math.ceil(TARGET_PROGRAMS / max(1, batch * kv_heads)))
+    want = max(1, math.ceil((target_programs or TARGET_PROGRAMS) / max(1, batch * kv_heads)))
     splits = max(1, min(want, max_tiles, math.ceil(max_context_len / MIN_SPLIT_TOKENS)))
     split_tokens = math.ceil(max_tiles / splits) * tile
     splits = math.ceil(max_context_len / split_tokens)
@@ -66,23 +68,25 @@ def decode_launch(batch: int, kv_heads: int, max_context_len: int, block_size: i
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
                    mid_lse_ptr, scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, num_splits,
-                   split_tokens, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr):
+                   split_tokens, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
+                   USE_DOT: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
     start = s * split_tokens
     end = tl.minimum(ctx, start + split_tokens)
-    g = tl.arange(0, GROUP_PAD)
+    g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + g
     gmask = g < GROUP
-    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None],
-                other=0.0).to(tl.float32) * scale
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
+    if not USE_DOT:
+        q = q.to(tl.float32) * scale
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
     row = KV_HEADS * HEAD_DIM
     for tok0 in range(start, end, TILE):
@@ -90,15 +94,21 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         tmask = tok < end
         block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
+        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        if USE_DOT:
+            scores = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # [M, TILE] on tensor cores
+        else:
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(tmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if USE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m_i = m_new
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -131,14 +141,20 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h, n
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, res.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
+                           tile_tokens: int = 0, num_warps: int = 0, use_dot=None, target_programs: int = 0):
+    """The keyword arguments override the launch table (used by the benchmark's sweep only)."""
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    splits, split_tokens, tile = decode_launch(batch, kv_heads, max_context_len, block_size)
+    splits, split_tokens, tile = decode_launch(batch, kv_heads, max_context_len, block_size, tile_tokens,
+                                               target_programs)
+    if use_dot is None:
+        use_dot = group >= USE_DOT_MIN_GROUP
+    m = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     if splits > 1:
         mid_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
@@ -147,8 +163,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     _decode_kernel[(batch, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale, q.stride(0), q.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), splits, split_tokens, KV_HEADS=kv_heads,
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        TILE=tile, SPLIT=splits > 1, num_warps=NUM_WARPS)
+        GROUP=group, M=m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1,
+        USE_DOT=bool(use_dot), num_warps=num_warps or NUM_WARPS)
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)

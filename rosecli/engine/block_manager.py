@@ -10,6 +10,7 @@ False; the scheduler decides what to do (wait or preempt). Nothing here raises f
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from typing import Optional
 
@@ -34,6 +35,7 @@ class BlockManager:
         # prefix-cache statistics, in prompt tokens
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self._versions = itertools.count(1)
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -97,6 +99,7 @@ class BlockManager:
             self.prefix_hit_tokens += seq.num_cached_tokens
         for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
             seq.block_table.append(self._take_block())
+        seq.table_version = next(self._versions)
 
     def _take_block(self) -> int:
         if self.free_ids:
@@ -120,6 +123,7 @@ class BlockManager:
         """Make sure every token of ``seq`` has a slot (called before a decode step)."""
         while len(seq.block_table) < self.blocks_needed(len(seq.token_ids)):
             seq.block_table.append(self._take_block())
+        seq.table_version = next(self._versions)
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose KV is now fully computed, for later requests."""
@@ -150,6 +154,7 @@ class BlockManager:
                     self.block_tokens[block] = None
                     self.free_ids.append(block)
         seq.block_table = []
+        seq.table_version = next(self._versions)
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0

@@ -149,6 +149,7 @@ class ModelRunner:
             self.d_input_ids, self.d_positions, self.d_slots = self.h_input_ids, self.h_positions, self.h_slots
             self.d_context_lens, self.d_block_tables = self.h_context_lens, self.h_block_tables
         self._decode_meta: dict[int, AttentionMetadata] = {}
+        self._row_version = [-1] * mb  # table_version of the block table each staging row holds
 
     def _meta_for(self, batch: int, max_context_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -258,6 +259,7 @@ class ModelRunner:
             ids, pos, slots, ctx, bt = (self.np_input_ids, self.np_positions, self.np_slots,
                                         self.np_context_lens, self.np_block_tables)
             max_ctx = 1
+            row_version = self._row_version
             for i, s in enumerate(seqs):
                 n = len(s.token_ids)
                 p = n - 1
@@ -266,7 +268,9 @@ class ModelRunner:
                 pos[i] = p
                 slots[i] = table[p // bs] * bs + p % bs
                 ctx[i] = n
-                bt[i, :len(table)] = table
+                if row_version[i] != s.table_version:  # rows are rewritten only when a table changed
+                    bt[i, :len(table)] = table
+                    row_version[i] = s.table_version
                 if n > max_ctx:
                     max_ctx = n
             if rows > batch:

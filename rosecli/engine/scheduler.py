@@ -186,17 +186,21 @@ class Scheduler:
         else:
             batch = list(running)
         bm = self.block_manager
+        bs = self.config.block_size
         scheduled: list[Sequence] = []
         for seq in batch:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            while not bm.can_append(seq):
-                victim = self._newest_admitted()
-                self._preempt(victim)
-                if victim is seq:
-                    break
+            if len(seq.block_table) * bs < len(seq.token_ids):  # the new token starts a block
+                while not bm.can_append(seq):
+                    victim = self._newest_admitted()
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    bm.append_slots(seq)
+                    scheduled.append(seq)
             else:
-                bm.append_slots(seq)
                 scheduled.append(seq)
         return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
 
@@ -220,9 +224,12 @@ class Scheduler:
         now = self.clock()
         out: dict[int, int] = {}
         bm = self.block_manager
+        bs = self.config.block_size
+        cache = bm.enable_prefix_cache
         for seq, n, token in zip(batch, chunks, sampled):
             seq.num_computed_tokens += n
-            bm.commit_full_blocks(seq)
+            if cache and (is_prefill or seq.num_computed_tokens % bs == 0):
+                bm.commit_full_blocks(seq)
             if token is None:
                 continue  # a chunk of a longer prompt
             if is_prefill:

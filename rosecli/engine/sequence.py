@@ -30,7 +30,8 @@ class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
                  "status", "finish_reason", "arrival_index", "stop_text", "num_preemptions",
-                 "detokenizer", "final_text", "admitted_at", "first_token_at", "finished_at")
+                 "detokenizer", "final_text", "admitted_at", "first_token_at", "finished_at",
+                 "table_version")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -39,6 +40,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.block_table: list[int] = []
+        self.table_version = 0  # globally unique stamp of the block table's contents (runner caches rows by it)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_hashed_blocks = 0

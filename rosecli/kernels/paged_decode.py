@@ -1,14 +1,15 @@
 """Paged decode attention: one query token per sequence against its cached blocks.
 
 Triton kernel (flash-decoding): the grid is (sequence, kv head, split). Each program takes all
-query heads that share one kv head (GQA group), so each K/V tile is read once for the group,
+query heads that share one kv head (a GQA group), so each K/V tile is read once for the group,
 walks its share of the context ``TILE`` tokens at a time (several blocks per tile, gathered
-through the block table) with an online softmax in float32, and writes either the output
-(one split) or a partial result and its log-sum-exp; a second kernel merges the splits.
-The split count is chosen from the shape by `decode_launch` (a fixed rule, no autotuning):
-enough programs to fill the GPU when batch x kv heads is small, one split otherwise. Under a
-CUDA graph the context bound is the model's maximum, so splits past a sequence's end exit
-at once.
+through the block table) with an online softmax in float32, and writes either the output (one
+split) or a partial result and its log-sum-exp; a second kernel merges the splits.
+
+The split count comes from the launch table by batch x kv heads (capped by the context bound);
+each sequence's real length is divided among the splits on the device. So the launch depends on
+host-side shapes only (CUDA-graph capturable, no sync), and under a graph, where the bound is the
+model's maximum, a short context still spreads over the splits instead of landing in the first.
 """
 
 import math
@@ -18,17 +19,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-# Launch table, from `scripts/bench_kernels.py --sweep` on an H100 (torch 2.11, triton 3.6; fp16, head_dim 64,
-# block 16): the tensor-core inner products won at every measured shape, MHA included (the group is padded to
-# 16 rows; the kernel is bound by memory, not math). Many programs (batch x kv heads >= 256): 64-token tiles and
-# 2 warps; fewer: 128-token tiles and 4 warps, with the context split to reach ~528 programs.
-TARGET_PROGRAMS = 528
-MIN_SPLIT_TOKENS = 256  # a split never covers fewer tokens than this
-MANY_PROGRAMS = 256
+from rosecli.kernels import launch_table
 
-
-def _tile_and_warps(batch: int, kv_heads: int) -> tuple[int, int]:
-    return (64, 2) if batch * kv_heads >= MANY_PROGRAMS else (128, 4)
+LOG2E = 1.4426950408889634
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -58,37 +51,37 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return out.squeeze(2)
 
 
-def decode_launch(batch: int, kv_heads: int, max_context_len: int, block_size: int,
-                  tile_tokens: int = 0, target_programs: int = 0) -> tuple[int, int, int]:
-    """(num_splits, tokens per split, tokens per tile) for a shape; fixed rule, no autotuning."""
-    tile = max(tile_tokens or _tile_and_warps(batch, kv_heads)[0], block_size)
-    max_tiles = max(1, math.ceil(max_context_len / tile))
-    want = max(1, math.ceil((target_programs or TARGET_PROGRAMS) / max(1, batch * kv_heads)))
-    splits = max(1, min(want, max_tiles, math.ceil(max_context_len / MIN_SPLIT_TOKENS)))
-    split_tokens = math.ceil(max_tiles / splits) * tile
-    splits = math.ceil(max_context_len / split_tokens)
-    return splits, split_tokens, tile
+def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  max_context_len: int) -> dict:
+    """The fixed launch parameters for a shape (see `launch_table`)."""
+    group = heads // kv_heads
+    tile, num_warps, num_stages = launch_table.DECODE_GQA if group > 1 else launch_table.DECODE_MHA
+    return {"splits": launch_table.decode_splits(batch, kv_heads, max_context_len), "tile": tile,
+            "num_warps": num_warps, "num_stages": num_stages, "use_dot": group > 1}
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, num_splits,
-                   split_tokens, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
-                   USE_DOT: tl.constexpr):
+                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, num_splits,
+                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_ALIGN: tl.constexpr, SPLIT: tl.constexpr,
+                   USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    start = s * split_tokens
-    end = tl.minimum(ctx, start + split_tokens)
+    # This sequence's own length is divided among the splits (whole tiles), not the host bound.
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
+    start = s * split_len
+    end = tl.minimum(ctx, start + split_len)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
     if not USE_DOT:
-        q = q.to(tl.float32) * scale
+        q = q.to(tl.float32) * qk_scale
+    # Scores are kept in log2 units (qk_scale folds in log2(e)) so the softmax uses exp2.
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
@@ -101,24 +94,25 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        if USE_DOT:
-            scores = tl.dot(q, tl.trans(k.to(q.dtype))).to(tl.float32) * scale  # [M, TILE] on tensor cores
+        if USE_DOT:  # [M, TILE] on tensor cores; the group is padded to M >= 16 rows
+            scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         else:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(tmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if USE_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         else:
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         m_i = m_new
+    # An empty split (or a padding row with context 0) writes zeros and a log-sum-exp of -inf.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         base = (b * KV_HEADS * GROUP + heads) * num_splits + s
         tl.store(mid_o_ptr + base[:, None] * HEAD_DIM + d[None, :], o, mask=gmask[:, None])
         tl.store(mid_lse_ptr + base, lse, mask=gmask)
@@ -139,37 +133,45 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h, n
     lse = tl.load(mid_lse_ptr + base + sp, mask=smask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(smask, tl.exp(lse - m), 0.0)
+    w = tl.where(smask, tl.exp2(lse - m), 0.0)
     o = tl.load(mid_o_ptr + (base + sp)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     res = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, res.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len,
-                           tile_tokens: int = 0, num_warps: int = 0, use_dot=None, target_programs: int = 0):
-    """The keyword arguments override the launch table (used by the benchmark's sweep only)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None,
+                           **launch):
+    """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
+
+    ``launch`` overrides keys of `decode_launch` (splits, tile, num_warps, num_stages, use_dot); only the
+    benchmark's sweep uses it.
+    """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     if batch == 0:
         return out
-    splits, split_tokens, tile = decode_launch(batch, kv_heads, max_context_len, block_size, tile_tokens,
-                                               target_programs)
-    if use_dot is None:
-        use_dot = True
-    m = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    cfg = decode_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len)
+    cfg.update(launch)
+    splits = cfg["splits"]
+    tile = cfg["tile"]
+    m = max(16, triton.next_power_of_2(group)) if cfg["use_dot"] else triton.next_power_of_2(group)
     if splits > 1:
         mid_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
     _decode_kernel[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale, q.stride(0), q.stride(1),
-        block_tables.stride(0), out.stride(0), out.stride(1), splits, split_tokens, KV_HEADS=kv_heads,
-        GROUP=group, M=m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1,
-        USE_DOT=bool(use_dot), num_warps=num_warps or _tile_and_warps(batch, kv_heads)[1])
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
+        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), splits, KV_HEADS=kv_heads,
+        GROUP=group, M=m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
+        SPLIT_ALIGN=tile * triton.cdiv(launch_table.DECODE_MIN_SPLIT_TOKENS, tile), SPLIT=splits > 1,
+        USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)

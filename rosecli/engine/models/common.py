@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
@@ -17,6 +18,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, the same arithmetic as below (tests/test_cpu_fast_path.py checks bit equality)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -24,27 +28,34 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as Hugging Face's Llama applies it."""
+    """Neox-style rotary embedding (rotate halves), as Hugging Face's Llama applies it.
+
+    The tables are stored full width so one rotation is two multiplies and an add:
+    ``cos`` = [cos, cos] and ``sin`` = [-sin, sin] per position, and
+    ``rotate(x) = x * cos + swap_halves(x) * sin`` - the same float operations, term for term,
+    as ``(x1*cos - x2*sin, x2*cos + x1*sin)``.
+    """
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", torch.cat((cos, cos), -1).float(), persistent=False)
+        self.register_buffer("sin", torch.cat((-sin, sin), -1).float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [N, heads, D], k: [N, kv_heads, D] -> rotated (same dtype)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of each position, ``[N, 1, head_dim]``: looked up once per forward, shared by all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, head_dim] (any strides) rotated by `RotaryEmbedding.tables`, in float32, returned in x's dtype."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    xf = x if x.dtype == cos.dtype else x.float()
+    out = xf * cos + torch.cat((xf[..., half:], xf[..., :half]), dim=-1) * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:

@@ -46,6 +46,7 @@ class GPT2ForCausalLM(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.vocab_size = cfg.vocab_size
         self.max_position = cfg.n_positions
+        self.lm_head = None  # tied to wte (`quantize_for_cpu` may set a quantized copy)
 
     def attention_layers(self) -> list[Attention]:
         return [blk.attn for blk in self.h]
@@ -56,8 +57,13 @@ class GPT2ForCausalLM(nn.Module):
             x = blk(x, meta)
         return self.ln_f(x)
 
+    def output_embedding(self) -> torch.Tensor:
+        return self.wte.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.wte.weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.wte.weight).float()
+        return self.lm_head(hidden).float()
 
     # Hugging Face name (after the optional "transformer." prefix) -> (our name, transpose?)
     _RENAMES = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj", "mlp.c_fc": "c_fc",

@@ -13,7 +13,7 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.errors import ModelLoadError
-from rosecli.engine.models.common import RMSNorm, RotaryEmbedding, check_all_loaded, copy_weight
+from rosecli.engine.models.common import RMSNorm, RotaryEmbedding, apply_rotary, check_all_loaded, copy_weight
 
 
 def _head_dim(cfg) -> int:
@@ -30,7 +30,7 @@ def _rope_theta(cfg) -> float:
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool):
+    def __init__(self, cfg, qkv_bias: bool):
         super().__init__()
         d = cfg.hidden_size
         self.heads = cfg.num_attention_heads
@@ -45,14 +45,18 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
         self.intermediate = cfg.intermediate_size
-        self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """rope: `RotaryEmbedding.tables` of this step's positions."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q, k = self.rotary(positions, q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim))
-        x = x + self.o_proj(self.attn(q.reshape(n, -1), k.reshape(n, -1), v, meta))
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        # q and k sit side by side in qkv: one rotation covers both
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(n, self.heads + self.kv_heads, self.head_dim),
+                          *rope).view(n, -1)
+        q, k = qk.split([self.q_size, self.kv_size], -1)
+        v = qkv[:, self.q_size + self.kv_size:]
+        x = x + self.o_proj(self.attn(q, k, v, meta))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, -1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -67,11 +71,11 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(_head_dim(cfg), self.max_position, _rope_theta(cfg))
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, self.rotary, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # None when tied to the embedding (`quantize_for_cpu` may set a quantized copy)
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = _head_dim(cfg)
@@ -82,13 +86,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
+    def output_embedding(self) -> torch.Tensor:
+        return self.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -1,0 +1,179 @@
+"""`rose bench stream | sched | compare`: Typer wiring over rosecli.bench."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from rosecli.commands import options as o
+from rosecli.commands.progress import startup_progress
+from rosecli.engine.config import DEFAULT_MODEL
+from rosecli.engine.errors import ConfigError
+
+FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - submit; TPOT = (finish - first "
+                "token) / (tokens - 1), one-token outputs left out; ITL = every gap between consecutive pieces a "
+                "client receives; latency = finish - submit; queue wait = admitted - tokenized; submit lag = submit "
+                "- scheduled time. Throughput = tokens / (last finish - first submit). Percentiles interpolate "
+                "linearly between closest ranks. The summary is the median over measured runs; start-up is "
+                "reported on its own, never inside a run.")
+
+SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
+                                                   "per-run figures and raw timestamps to this JSON file "
+                                                   "(schema rosecli.bench/1).")]
+Mode = Annotated[str, typer.Option("--mode", help="offline: run all requests to completion; online: also "
+                                   "timestamp each request's submit, first token and finish.")]
+
+
+def _start(config, console_err: Console):
+    from rosecli.engine.llm import LLMEngine
+
+    with startup_progress(console_err) as progress:
+        return LLMEngine(config, progress=progress)
+
+
+def _header(engine, spec, config) -> dict:
+    return {"Model": engine.model_name, "Device": engine.device.type, "Dtype": str(engine.dtype).removeprefix("torch."),
+            "Paged attention": engine.runner.use_triton, "CUDA Graph": bool(engine.runner.graphs),
+            "NVTX": config.nvtx, "Prefix cache": config.enable_prefix_cache, "Requests": spec.num_requests,
+            "Max new tokens": spec.max_new_tokens if spec.output_len is None else f"~{spec.output_len}"}
+
+
+def _config_dict(config, spec, params, **extra) -> dict:
+    return {**dataclasses.asdict(config), **dataclasses.asdict(spec), **dataclasses.asdict(params), **extra}
+
+
+@o.user_errors
+def stream(
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
+    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
+    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
+    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
+    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
+    max_inflight_requests: o.MaxInflight = None,
+    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
+    pretok: o.Pretok = False, num_requests: o.NumRequests = 16, input_len: o.InputLen = None,
+    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0, submit_interval_ms: o.SubmitIntervalMs = 0.0,
+    submit_schedule: o.SubmitSchedule = "absolute", request_rate: o.RequestRate = None,
+    warmup_runs: o.WarmupRuns = 0, repeat_runs: o.RepeatRuns = 1,
+    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
+    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, save_result: SaveResult = None,
+) -> None:
+    """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
+    from rosecli.bench import report, results
+    from rosecli.bench.run import bench_stream
+
+    o.check_runs(warmup_runs, repeat_runs)
+    spec = o.workload_spec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
+                           pretok=pretok, num_requests=num_requests, max_new_tokens=max_new_tokens,
+                           input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                           submit_interval_ms=submit_interval_ms, submit_schedule=submit_schedule,
+                           request_rate=request_rate, seed=seed)
+    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               do_sample=do_sample, stop_on_eos=stop_on_eos)
+    config = o.engine_config(
+        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
+        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
+        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx,
+        stream_interval=stream_interval, tokenize_workers=tokenize_workers,
+        max_inflight_requests=max_inflight_requests)
+    console, err = Console(), Console(stderr=True)
+    engine = _start(config, err)
+    try:
+        header = _header(engine, spec, config)
+        header.update({"Pretok": pretok, "Tokenize workers": tokenize_workers, "Stream interval": stream_interval})
+        if spec.request_rate is not None:
+            header["Arrivals"] = f"Poisson {spec.request_rate} req/s (seed {seed})"
+        else:
+            header["Submit interval/schedule"] = f"{submit_interval_ms:.3f} ms / {submit_schedule}"
+        console.print("=== streaming benchmark ===", highlight=False)
+        for line in report.header_lines(header):
+            console.print(line, highlight=False)
+        console.print(report.startup_line(engine.startup_times), highlight=False)
+        with report.RunTable(console, "stream", "streaming benchmark") as table:
+            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table)
+        report.print_stream_summary(console, out["measured"], out["summary"])
+        if save_result:
+            results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
+                                out["runs"], out["summary"], out["requests"])
+            console.print(f"saved {save_result}", highlight=False)
+    finally:
+        engine.close()
+
+
+@o.user_errors
+def sched(
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
+    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
+    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
+    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
+    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    nvtx: o.Nvtx = False, mode: Mode = "online",
+    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
+    pretok: o.Pretok = False, num_requests: o.NumRequests = 16, input_len: o.InputLen = None,
+    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0,
+    warmup_runs: o.WarmupRuns = 0, repeat_runs: o.RepeatRuns = 1,
+    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
+    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, save_result: SaveResult = None,
+) -> None:
+    """Scheduler benchmark, driving the scheduler directly: decode and total time, throughput."""
+    from rosecli.bench import report, results
+    from rosecli.bench.run import bench_sched
+
+    o.check_runs(warmup_runs, repeat_runs)
+    if mode not in ("offline", "online"):
+        raise ConfigError(f"--mode must be offline or online, got {mode!r}")
+    spec = o.workload_spec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
+                           pretok=pretok, num_requests=num_requests, max_new_tokens=max_new_tokens,
+                           input_len=input_len, output_len=output_len, range_ratio=range_ratio,
+                           submit_interval_ms=0.0, submit_schedule="absolute", request_rate=None, seed=seed)
+    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                               do_sample=do_sample, stop_on_eos=stop_on_eos)
+    config = o.engine_config(
+        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
+        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
+        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx)
+    console, err = Console(), Console(stderr=True)
+    engine = _start(config, err)
+    try:
+        console.print("=== scheduler benchmark ===", highlight=False)
+        for line in report.header_lines({**_header(engine, spec, config), "Mode": mode}):
+            console.print(line, highlight=False)
+        console.print(report.startup_line(engine.startup_times), highlight=False)
+        with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:
+            out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table)
+        report.print_sched_summary(console, mode, warmup_runs, out["pairs"])
+        if save_result:
+            results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
+                                engine.startup_times, out["runs"], out["summary"])
+            console.print(f"saved {save_result}", highlight=False)
+    finally:
+        engine.close()
+
+
+@o.user_errors
+def compare(files: Annotated[list[str], typer.Argument(help="Result files from --save-result; the first is the "
+                                                       "baseline.")]) -> None:
+    """Compare saved results figure by figure; changes within the spread of repeat runs are marked noise."""
+    from rosecli.bench import report, results
+
+    if len(files) < 2:
+        raise ConfigError("give at least two result files: the baseline first")
+    docs = [results.load_result(f) for f in files]
+    kinds = {d["kind"] for d in docs}
+    if len(kinds) > 1:
+        raise ConfigError(f"cannot compare results of different benchmarks ({', '.join(sorted(kinds))})")
+    rows = [results.compare(docs[0], d) for d in docs[1:]]
+    report.print_compare(Console(), files, rows)
+
+
+stream.__doc__ = f"{stream.__doc__}\n\n{FIGURES_HELP}"

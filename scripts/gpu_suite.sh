@@ -22,6 +22,19 @@ for step in $steps; do
     kernels) python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     decode) python3 scripts/bench_decode.py --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode.json" 2>&1 | grep -v '^\[transformers' | tee "$OUT/decode.txt" ;;
     workloads) bash scripts/workloads.sh 2>&1 | tee "$OUT/workloads.txt" ;;
+    nsys)
+      NSYS=$(ls /opt/nvidia/nsight-systems/*/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
+      echo "nsys: $NSYS"; ls -d /opt/nvidia/* 2>/dev/null
+      timeout 240 "$NSYS" profile -t cuda,nvtx --capture-range=cudaProfilerApi -o /tmp/rose -f true \
+        python3 -m rosecli profile --nvtx --model gpt2 --load-format dummy --device cuda --num-requests 32 \
+        --max-new-tokens 64 --no-stop-on-eos --torch-trace /tmp/trace 2>&1 | tail -30
+      ls -la /tmp/rose* 2>&1
+      timeout 120 "$NSYS" stats --report nvtx_sum /tmp/rose.nsys-rep 2>&1 | tail -30 || true
+      QI=$(find /opt/nvidia -name QdstrmImporter 2>/dev/null | head -1); echo "importer: $QI"
+      if [ ! -f /tmp/rose.nsys-rep ] && [ -n "$QI" ] && ls /tmp/rose*.qdstrm >/dev/null 2>&1; then
+        timeout 120 "$QI" -i /tmp/rose.qdstrm 2>&1 | tail -5; ls -la /tmp/rose* 2>&1
+        timeout 120 "$NSYS" stats --report nvtx_sum /tmp/rose.nsys-rep 2>&1 | tail -30 || true
+      fi ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,4 +1,9 @@
-"""Each Triton kernel against its torch reference on random inputs (TRITON_INTERPRET=1 on CPU)."""
+"""Each Triton kernel against its torch reference on random inputs (TRITON_INTERPRET=1 on CPU).
+
+Outputs are poisoned with NaN before each call, so an element the kernel forgets to write fails.
+The CPU interpreter covers float32 and float16 (its tl.dot mishandles bfloat16); bfloat16 and the
+larger shapes run in the `gpu` tests.
+"""
 
 import os
 
@@ -9,11 +14,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from rosecli.kernels.paged_decode import decode_launch, paged_decode_attention, paged_decode_attention_ref  # noqa
+from rosecli.kernels import launch_table  # noqa: E402
+from rosecli.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from rosecli.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from rosecli.kernels.store_kv import store_kv_cache, store_kv_cache_ref  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CPU_DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # relative Frobenius error vs fp32 reference
 
 
 def _rel(a, b):
@@ -28,8 +36,7 @@ def _paged(lens, kv_heads, head_dim, block_size, dtype, seed, spare=3):
     k_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEV, dtype)
     v_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEV, dtype)
     perm = torch.randperm(total, generator=g)
-    width = max(nblk) + 2
-    tables = torch.full((len(lens), width), -7, dtype=torch.int32)  # junk past each sequence's blocks
+    tables = torch.full((len(lens), max(nblk) + 2), -7, dtype=torch.int32)  # junk past each sequence's blocks
     pos = 0
     for i, nb in enumerate(nblk):
         tables[i, :nb] = perm[pos:pos + nb].int()
@@ -37,87 +44,152 @@ def _paged(lens, kv_heads, head_dim, block_size, dtype, seed, spare=3):
     return k_cache, v_cache, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
 
 
-TOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-DTYPES = [torch.float32] + ([torch.float16, torch.bfloat16] if DEV == "cuda" else [])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
-@pytest.mark.parametrize("lens,block_size", [([1, 5, 16, 17, 33], 16), ([8, 7, 9, 1], 8), ([130], 16)])
-def test_paged_decode_matches_reference(dtype, heads, kv_heads, lens, block_size):
-    head_dim = 32
-    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, block_size, dtype, seed=len(lens) + heads)
-    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(DEV, dtype)
+def _decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, seed, bound=None, **launch):
+    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, block_size, dtype, seed)
+    q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(DEV, dtype)
     scale = head_dim ** -0.5
-    ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, ctx, scale, max(lens))
-    for use_dot in (False, True):  # both inner products: vector (MHA default) and tensor cores (GQA default)
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, max(lens), use_dot=use_dot)
-        assert not torch.isnan(out).any()
-        assert _rel(out, ref) < TOL[dtype] * (3 if use_dot and dtype == torch.float32 else 1)  # tf32 on GPU
+    live = ctx > 0  # the reference has no notion of an empty row
+    ref = paged_decode_attention_ref(q[live].float(), k_cache.float(), v_cache.float(), tables[live], ctx[live],
+                                     scale, max(lens))
+    out = torch.full_like(q, float("nan"))
+    res = paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale, bound or max(lens), out=out, **launch)
+    assert res is out and torch.isfinite(out).all(), "every output element is written"
+    return out[live], ref
 
 
-def test_paged_decode_split_path_and_loose_bound():
-    """A few long sequences: several splits, merged; the bound (as under a CUDA graph) exceeds every length."""
-    lens = [300, 7, 129]
-    k_cache, v_cache, tables, ctx = _paged(lens, 2, 32, 16, torch.float32, seed=5)
-    q = torch.randn(3, 4, 32, generator=torch.Generator().manual_seed(2)).to(DEV)
-    bound = 1024
-    assert decode_launch(3, 2, bound, 16)[0] > 1
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.2, max(lens))
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, bound)
+# block_size 16: single token, block boundaries k*16-1, k*16, k*16+1, several blocks; block_size 8 and 1 too
+RAGGED = [([1, 15, 16, 17, 47, 48, 49], 16), ([8, 7, 9, 1, 24], 8), ([5, 1, 3], 1)]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("lens,block_size", RAGGED)
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, lens, block_size):
+    out, ref = _decode_case(lens, heads, kv_heads, 32, block_size, dtype, seed=len(lens) + heads)
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_paged_decode_both_inner_product_paths(use_dot, heads, kv_heads):
+    """Vector path (the MHA default) and tensor-core path (the GQA default) on either head layout."""
+    out, ref = _decode_case([33, 2, 16], heads, kv_heads, 32, 16, torch.float32, seed=7, use_dot=use_dot)
     assert _rel(out, ref) < TOL[torch.float32]
 
 
-def test_paged_decode_padding_row_with_zero_context():
-    k_cache, v_cache, tables, ctx = _paged([5, 3], 2, 32, 16, torch.float32, seed=6)
-    ctx[1] = 0
-    q = torch.randn(2, 2, 32).to(DEV)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2, 16)
-    ref = paged_decode_attention_ref(q[:1], k_cache, v_cache, tables[:1], ctx[:1], 0.2, 5)
-    assert torch.isfinite(out).all() and _rel(out[:1], ref) < 2e-3
+@pytest.mark.parametrize("splits", [2, 5])
+def test_paged_decode_split_and_merge_over_many_blocks(splits):
+    """A context spanning many blocks divided among splits (uneven, some splits empty) and merged."""
+    out, ref = _decode_case([700, 3, 129], 9, 3, 32, 16, torch.float32, seed=11, splits=splits, tile=32)
+    assert _rel(out, ref) < TOL[torch.float32]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_store_matches_reference_and_skips_padding(dtype):
+def test_paged_decode_loose_bound_as_under_a_cuda_graph():
+    """The bound (the model's maximum under a graph) far exceeds every length, and picks several splits."""
+    bound = 2048
+    assert launch_table.decode_splits(4, 2, bound) > 1
+    out, ref = _decode_case([300, 7, 64, 65], 4, 2, 32, 16, torch.float32, seed=5, bound=bound)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_decode_padding_rows_with_zero_context(splits):
+    out, ref = _decode_case([5, 0, 40, 0], 9, 3, 32, 16, torch.float32, seed=6, bound=64, splits=splits)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
+def test_decode_split_table():
+    assert launch_table.decode_splits(1, 12, 4096) > launch_table.decode_splits(64, 12, 4096) == 1
+    assert launch_table.decode_splits(1, 12, 10) == 1  # a short bound never asks for empty splits
+    assert all(launch_table.decode_splits(b, 3, 8192) >= 1 for b in (1, 7, 64, 1000))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_store_matches_reference_and_skips_padding(dtype, slot_dtype):
     g = torch.Generator().manual_seed(3)
     n, kv_heads, head_dim = 11, 3, 16
     qkv = torch.randn(n, 5 * kv_heads * head_dim, generator=g).to(DEV, dtype)  # strided views, as the models pass
     key = qkv[:, kv_heads * head_dim * 3:kv_heads * head_dim * 4].view(n, kv_heads, head_dim)
     value = qkv[:, kv_heads * head_dim * 4:].view(n, kv_heads, head_dim)
-    slots = torch.randperm(40, generator=g)[:n].to(DEV)
+    slots = torch.randperm(40, generator=g)[:n].to(DEV, slot_dtype)
     slots[3] = -1
+    slots[7] = -5
     caches = [torch.randn(5, 8, kv_heads, head_dim, generator=g).to(DEV, dtype) for _ in range(2)]
+    before = [c.clone() for c in caches]
     ref = [c.clone() for c in caches]
     store_kv_cache(key, value, caches[0], caches[1], slots)
     store_kv_cache_ref(key, value, ref[0], ref[1], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+    flat = caches[0].view(-1, kv_heads, head_dim)
+    assert torch.equal(flat[slots[0].long()], key[0])
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots[slots >= 0].long().cpu()] = False
+    assert torch.equal(flat[untouched.to(DEV)], before[0].view(-1, kv_heads, head_dim)[untouched.to(DEV)])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
-@pytest.mark.parametrize("new,prefix", [([5, 17, 1], [0, 0, 0]), ([3, 20, 16], [16, 5, 33]), ([70], [0])])
+PREFILL_CASES = [
+    ([5, 17, 1], [0, 0, 0]),  # fresh prompts, ragged, one single-token prompt
+    ([3, 20, 16, 1], [16, 5, 33, 47]),  # prefix caching / chunked prefill: prefix ends mid-block and on a boundary
+    ([0, 9], [12, 7]),  # a sequence with no new tokens this step
+]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("new,prefix", PREFILL_CASES)
 def test_prefill_matches_reference(dtype, heads, kv_heads, new, prefix):
-    head_dim, block_size = 32, 16
-    lens = [n + p for n, p in zip(new, prefix)]
-    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, block_size, dtype, seed=sum(lens))
-    total = sum(new)
-    q = torch.randn(total, heads, head_dim, generator=torch.Generator().manual_seed(4)).to(DEV, dtype)
-    cu = torch.tensor([0] + list(torch.cumsum(torch.tensor(new), 0)), dtype=torch.int32, device=DEV)
-    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu, ctx, max(new),
-                                      max(lens), head_dim ** -0.5)
-    out = torch.full_like(q, float("nan"))
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, max(new), max(lens), head_dim ** -0.5)
-    assert not torch.isnan(out).any()
+    out, ref = _prefill_case(new, prefix, heads, kv_heads, 32, 16, dtype, seed=sum(new) + sum(prefix))
     assert _rel(out, ref) < TOL[dtype]
 
 
+def test_prefill_long_chunk_spans_several_query_tiles():
+    out, ref = _prefill_case([70, 2], [30, 0], 6, 2, 32, 8, torch.float32, seed=9, block_m=16, block_n=16)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
+def _prefill_case(new, prefix, heads, kv_heads, head_dim, block_size, dtype, seed, **launch):
+    lens = [n + p for n, p in zip(new, prefix)]
+    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, block_size, dtype, seed)
+    q = torch.randn(sum(new), heads, head_dim, generator=torch.Generator().manual_seed(seed + 1)).to(DEV, dtype)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    scale = head_dim ** -0.5
+    ref = paged_prefill_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, cu, ctx, max(new),
+                                      max(lens), scale)
+    out = torch.full_like(q, float("nan"))
+    res = paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, max(new), max(lens), scale, out=out,
+                                  **launch)
+    assert res is out and torch.isfinite(out).all(), "every output element is written"
+    return out, ref
+
+
+GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,context", [(1, 4000), (64, 1024), (7, 333)])
-def test_decode_gpu_realistic_shapes(batch, context):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("batch,context,bound", [(1, 4000, 8192), (64, 1024, 1024), (7, 333, 8192), (256, 129, 1024)])
+def test_decode_gpu_realistic_shapes(dtype, batch, context, bound):
     lens = [max(1, context - 13 * i) for i in range(batch)]
     for heads, kv_heads in ((12, 12), (9, 3)):
-        k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, 64, 16, torch.float16, seed=batch)
-        q = torch.randn(batch, heads, 64, device=DEV, dtype=torch.float16)
-        ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, ctx, 0.125, context)
-        out = paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, 8192)
-        assert _rel(out, ref) < 1e-2
+        out, ref = _decode_case(lens, heads, kv_heads, 64, 16, dtype, seed=batch, bound=bound)
+        assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+def test_prefill_and_store_gpu_realistic_shapes(dtype):
+    for heads, kv_heads in ((12, 12), (9, 3)):
+        out, ref = _prefill_case([512, 37, 1, 200], [0, 300, 999, 64], heads, kv_heads, 64, 16, dtype, seed=1)
+        assert _rel(out, ref) < TOL[dtype]
+        g = torch.Generator().manual_seed(2)
+        key, value = (torch.randn(300, kv_heads, 64, generator=g).to(DEV, dtype) for _ in range(2))
+        slots = torch.randperm(64 * 16, generator=g)[:300].to(DEV)
+        slots[::7] = -1
+        caches = [torch.randn(64, 16, kv_heads, 64, generator=g).to(DEV, dtype) for _ in range(2)]
+        ref_caches = [c.clone() for c in caches]
+        store_kv_cache(key, value, *caches, slots)
+        store_kv_cache_ref(key, value, *ref_caches, slots)
+        assert all(torch.equal(a, b) for a, b in zip(caches, ref_caches))

@@ -54,10 +54,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                   max_context_len: int) -> dict:
     """The fixed launch parameters for a shape (see `launch_table`)."""
-    group = heads // kv_heads
-    tile, num_warps, num_stages = launch_table.DECODE_GQA if group > 1 else launch_table.DECODE_MHA
+    tile, num_warps, num_stages = launch_table.lookup(launch_table.DECODE_TILE, batch * kv_heads)
     return {"splits": launch_table.decode_splits(batch, kv_heads, max_context_len), "tile": tile,
-            "num_warps": num_warps, "num_stages": num_stages, "use_dot": group > 1}
+            "num_warps": num_warps, "num_stages": num_stages, "use_dot": launch_table.DECODE_USE_DOT,
+            "min_split_tokens": launch_table.DECODE_MIN_SPLIT_TOKENS}
 
 
 @triton.jit
@@ -144,8 +144,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                            **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
 
-    ``launch`` overrides keys of `decode_launch` (splits, tile, num_warps, num_stages, use_dot); only the
-    benchmark's sweep uses it.
+    ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
     """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -169,7 +168,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), splits, KV_HEADS=kv_heads,
         GROUP=group, M=m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT_ALIGN=tile * triton.cdiv(launch_table.DECODE_MIN_SPLIT_TOKENS, tile), SPLIT=splits > 1,
+        SPLIT_ALIGN=tile * triton.cdiv(cfg["min_split_tokens"], tile), SPLIT=splits > 1,
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:

@@ -47,7 +47,7 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
         stages.reset()
         stages.timing = True
         if prof is not None:
-            prof.start()
+            manager.call_on_worker(prof.start)  # the profiler records the thread that starts it
         if cuda:
             torch.cuda.synchronize(engine.device)
             torch.cuda.profiler.start()
@@ -60,7 +60,7 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
         stages.timing = False
         trace_path = None
         if prof is not None:
-            prof.stop()
+            manager.call_on_worker(prof.stop)
             stages.enable_torch_trace(False)
             os.makedirs(torch_trace_dir, exist_ok=True)
             trace_path = os.path.join(torch_trace_dir, f"rose-profile-{int(time.time())}.json")

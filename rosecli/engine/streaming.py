@@ -133,7 +133,7 @@ class StreamingManager:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._requests: dict[int, _Request] = {}
-        self._inbox: deque = deque()  # ("add", rid, token_ids, params) | ("discard", rid, request)
+        self._inbox: deque = deque()  # ("add", rid, ids, params) | ("discard", rid, request) | ("call", fn, ...)
         self._ids = itertools.count()
         self._inflight = 0
         self._room = threading.Condition(threading.Lock())
@@ -245,6 +245,20 @@ class StreamingManager:
         return RequestOutput(req.rid, req.text, req.prompt_tokens, req.output_tokens, req.finish_reason, req.ts,
                              req.cached_tokens)
 
+    def call_on_worker(self, fn, timeout: float = 60.0):
+        """Run ``fn()`` on the engine's worker thread between steps and return its result (the torch
+        profiler, for one, records only the thread that starts it)."""
+        done = threading.Event()
+        box: list = []
+        with self._lock:
+            self._inbox.append(("call", fn, done, box))
+            self._wake.notify()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine worker did not run the call in time")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
     def abort(self, rid: int) -> None:
         with self._lock:
             req = self._requests.get(rid)
@@ -312,6 +326,14 @@ class StreamingManager:
                 self._fail(req, EngineDeadError(f"the engine stopped on an error: {type(e).__name__}: {e}"))
 
     def _admit(self, item) -> None:
+        if item[0] == "call":
+            _, fn, done, box = item
+            try:
+                box.append(fn())
+            except BaseException as e:  # handed back to the caller
+                box.append(e)
+            done.set()
+            return
         if item[0] == "discard":
             _, rid, req = item
             self.scheduler.discard_request(rid)

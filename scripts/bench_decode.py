@@ -90,15 +90,23 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--model", choices=["gpt2", "smollm2-135m"], default="gpt2")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    cfg = GPT2Config()  # 124M: 12 layers, d=768, 12 heads, vocab 50257, 1024 positions
-    hf = GPT2LMHeadModel(cfg).eval()
+    if args.model == "gpt2":
+        cfg = GPT2Config()  # 124M: 12 layers, d=768, 12 heads, vocab 50257, 1024 positions
+        hf = GPT2LMHeadModel(cfg).eval()
+    else:  # SmolLM2-135M shape
+        cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                          head_dim=64, intermediate_size=1536, vocab_size=49152, max_position_embeddings=2048,
+                          tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5)
+        hf = LlamaForCausalLM(cfg).eval()
+    cfg.n_positions = getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     hf = hf.to(device=device, dtype=dtype)
     rows = []
@@ -110,7 +118,7 @@ def main() -> int:
             sched = build_ours(cfg, state, device, dtype, batch, graphs, paged)
             r = run_ours(sched, batch, args.new_tokens)
             sched.runner.close()
-            rows.append({"impl": name, "batch": batch, **r})
+            rows.append({"impl": name, "model": args.model, "batch": batch, **r})
             print(json.dumps(rows[-1]), flush=True)
         if not args.no_hf:
             for cache in ("static", "dynamic"):
@@ -119,7 +127,7 @@ def main() -> int:
                 except Exception as e:  # report, keep going
                     print(f"transformers {cache} failed: {e}", file=sys.stderr)
                     continue
-                rows.append({"impl": f"transformers {cache}", "batch": batch, **r})
+                rows.append({"impl": f"transformers {cache}", "model": args.model, "batch": batch, **r})
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'impl':<24}{'batch':>6}{'TPOT ms':>10}{'decode tok/s':>14}{'e2e tok/s':>12}")
     for r in rows:

@@ -20,7 +20,8 @@ for step in $steps; do
     tests) python3 -m pytest -q -x tests/test_kernels.py tests/test_cuda_graph.py 2>&1 | tail -15 ;;
     sweep) python3 scripts/bench_kernels.py --sweep 2>&1 | tee "$OUT/sweep.txt" ;;
     kernels) python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
-    decode) python3 scripts/bench_decode.py --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode.json" 2>&1 | grep -v '^\[transformers' | tee "$OUT/decode.txt" ;;
+    decode) python3 scripts/bench_decode.py --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode.json" 2>&1 | grep -v '^\[transformers' | tail -9 | tee "$OUT/decode.txt" ;;
+    decode-smollm2) python3 scripts/bench_decode.py --model smollm2-135m --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode_smollm2.json" 2>&1 | grep -v '^\[transformers' | tail -9 | tee "$OUT/decode_smollm2.txt" ;;
     workloads) bash scripts/workloads.sh 2>&1 | tee "$OUT/workloads.txt" ;;
     nsys)
       NSYS=$(ls /opt/nvidia/nsight-systems/*/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
@@ -31,6 +32,10 @@ for step in $steps; do
       ls -la /tmp/rose* 2>&1
       timeout 120 "$NSYS" stats --report nvtx_sum /tmp/rose.nsys-rep 2>&1 | tail -30 || true
       QI=$(find /opt/nvidia -name QdstrmImporter 2>/dev/null | head -1); echo "importer: $QI"
+      if [ -d .gpu/debs ]; then  # libdw/libelf for the importer, unpacked outside /
+        mkdir -p /tmp/dw && for f in .gpu/debs/*.deb; do dpkg -x "$f" /tmp/dw; done
+        export LD_LIBRARY_PATH="$(dirname "$(find /tmp/dw -name 'libdw.so.1' | head -1)"):${LD_LIBRARY_PATH:-}"
+      fi
       if [ ! -f /tmp/rose.nsys-rep ] && [ -n "$QI" ] && ls /tmp/rose*.qdstrm >/dev/null 2>&1; then
         timeout 120 "$QI" -i /tmp/rose.qdstrm 2>&1 | tail -5; ls -la /tmp/rose* 2>&1
         timeout 120 "$NSYS" stats --report nvtx_sum /tmp/rose.nsys-rep 2>&1 | tail -30 || true

@@ -28,7 +28,8 @@ for step in $steps; do
       echo "nsys: $NSYS"; ls -d /opt/nvidia/* 2>/dev/null
       timeout 240 "$NSYS" profile -t cuda,nvtx --capture-range=cudaProfilerApi -o /tmp/rose -f true \
         python3 -m rosecli profile --nvtx --model gpt2 --load-format dummy --device cuda --num-requests 32 \
-        --max-new-tokens 64 --no-stop-on-eos --torch-trace /tmp/trace 2>&1 | tail -30
+        --max-new-tokens 64 --no-stop-on-eos 2>&1 | tail -30
+      python3 -m rosecli profile --model gpt2 --load-format dummy --device cuda --num-requests 32 --max-new-tokens 64 --no-stop-on-eos --torch-trace /tmp/trace 2>&1 | tail -22
       ls -la /tmp/rose* 2>&1
       timeout 120 "$NSYS" stats --report nvtx_sum /tmp/rose.nsys-rep 2>&1 | tail -30 || true
       QI=$(find /opt/nvidia -name QdstrmImporter 2>/dev/null | head -1); echo "importer: $QI"

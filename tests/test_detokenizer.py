@@ -152,3 +152,19 @@ def test_sentencepiece_spaces_and_byte_fallback_groups(sp_tok, skip_special_toke
         ids = [rng.choice(rng.choice(pools)) for _ in range(rng.randrange(1, 32))]
         pieces, rest = stream(sp_tok, ids, skip_special_tokens, chunk=1 + case % 3)
         assert "".join(pieces) + rest == sp_tok.decode(ids, skip_special_tokens=skip_special_tokens), (case, ids)
+
+
+def test_byte_level_fast_path_is_used_and_agrees_with_the_windowed_path(tok):
+    import random
+
+    fast = IncrementalDetokenizer(tok)
+    assert fast.utf8 is not None, "SmolLM2's byte-level tokenizer should take the fast path"
+    rng = random.Random(7)
+    for _ in range(100):
+        ids = [rng.randrange(0, len(tok)) for _ in range(rng.randrange(1, 30))]
+        a = IncrementalDetokenizer(tok)
+        b = IncrementalDetokenizer(tok)
+        b.utf8 = None  # force the general windowed path
+        pa = [a.push(i) for i in ids] + [a.flush()]
+        pb = [b.push(i) for i in ids] + [b.flush()]
+        assert "".join(pa) == "".join(pb) == tok.decode(ids, skip_special_tokens=True)

@@ -1,191 +1,396 @@
-"""Benchmark output: a Rich live table while runs are in progress (a row per warm-up and per
-measured run), a summary over measured runs, and, when stdout is not a terminal, plain text
-in the reference posts' format (``TTFT p50/p95/p99: a/b/c ms``) with no escape codes."""
+"""Benchmark output with Rich: live run table, summaries, start-up figures, compare table.
+
+In a terminal: a `RunTable` live table (one row per warm-up and per measured run; warm-ups
+dim and marked), then Rich summary tables. When stdout is not a terminal, or with
+``plain=True``, the same rows as plain text with no escape codes, in the reference posts'
+format so they grep the same::
+
+    === run 1/3 ===
+    TTFT p50/p95/p99: 31.81/34.16/34.44 ms
+    Throughput (completion,total): 11991.59 tokens/s
+    === online summary ===
+    TTFT p50/mean: 2.73/2.73 ms
+
+A warm-up run prints one ``warmup (not measured): ...`` line instead, so a grep for
+``TTFT p50/p95/p99`` finds measured runs only.
+
+Use::
+
+    print_startup(console, engine.startup_times)
+    with RunTable(console, "stream", "streaming benchmark") as table:
+        table.start_run("warmup 1/1", warmup=True)
+        table.update(finished, total, tokens, elapsed)      # from the driver, ~10 Hz at most
+        table.finish_run("warmup 1/1", run_metrics)         # or finish_run(run_metrics)
+    print_stream_summary(console, measured, metrics.median_run(measured))
+    print_sched_summary(console, "online", warmups, metrics.summarize_sched_runs(measured), len(measured))
+    print_compare(console, files, compare.compare_results(docs), compare.config_differences(docs))
+
+The live table is redrawn only inside these calls, on the caller's thread, at most every
+``refresh_s`` (no Rich refresh thread competing with the engine for the GIL while a run is
+measured), and nothing here is per token.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+import time
+from typing import Optional, Sequence, Union
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
-from rosecli.bench.metrics import FIGURE_LABELS, STREAM_FIGURES, RunMetrics, SchedRunMetrics
+from rosecli.bench.compare import CompareRow
+from rosecli.bench.metrics import FIGURE_LABELS, STREAM_FIGURES, Dist, RunMetrics, SchedRunMetrics
 
 _PLAIN_LABELS = dict(FIGURE_LABELS, queue_wait="Queue wait (post-tok)")
+_VERDICT_STYLE = {"better": "green", "worse": "red", "noise": "dim", "same": "dim", "n/a": "dim", "missing": "dim"}
 
 
-def _ms(v: float) -> str:
-    return "-" if v != v else f"{v * 1e3:.2f}"
+def _absent(v: Optional[float]) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def _triple(d) -> str:
+def _ms(v: Optional[float]) -> str:
+    return "-" if _absent(v) else f"{v * 1e3:.2f}"
+
+
+def _triple(d: Dist) -> str:
     return f"{_ms(d.p50)}/{_ms(d.p95)}/{_ms(d.p99)}"
 
 
+def _emit(console: Console, line: str) -> None:
+    """One plain line: no markup, highlighting or wrapping (long lines stay one grep-able line)."""
+    console.print(line, highlight=False, markup=False, emoji=False, soft_wrap=True)
+
+
+def _is_plain(console: Console, plain: Optional[bool]) -> bool:
+    return (not console.is_terminal) if plain is None else plain
+
+
 def header_lines(info: dict) -> list[str]:
+    """``Key: value`` lines (the posts' header: Model, Device, Paged attention, ...)."""
     return [f"{k}: {v}" for k, v in info.items()]
 
 
+_STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "graph_capture_s": "graph capture"}
+
+
 def startup_line(startup: dict) -> str:
-    parts = [f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s" for k, v in startup.items()]
-    return "Start-up (not in any run): " + (", ".join(parts) if parts else "-")
+    """``Startup (not in any run): model load 1.23 s, kernel compile 4.56 s, graph capture 0.78 s``."""
+    parts = [f"{_STARTUP_NAMES.get(k, k.removesuffix('_s').replace('_', ' '))} {v:.2f} s"
+             for k, v in startup.items() if not _absent(v)]
+    return "Startup (not in any run): " + (", ".join(parts) if parts else "-")
 
 
-class RunTable:
-    """Rows of runs; live in a terminal, plain lines otherwise. Use as a context manager."""
-
-    def __init__(self, console: Console, kind: str, title: str):
-        self.console = console
-        self.kind = kind  # "stream" | "sched"
-        self.plain = not console.is_terminal
-        self.title = title
-        self.rows: list[tuple[str, bool, Optional[object]]] = []
-        self.progress: Optional[str] = None
-        self.live: Optional[Live] = None
-
-    def __enter__(self):
-        if not self.plain:
-            self.live = Live(self._render(), console=self.console, refresh_per_second=8, transient=False)
-            self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.live is not None:
-            self.progress = None
-            self.live.update(self._render())
-            self.live.__exit__(*exc)
-        return False
-
-    def start_run(self, label: str, warmup: bool) -> None:
-        self.rows.append((label, warmup, None))
-        self.progress = "starting"
-        if self.plain:
-            self.console.print(f"=== {label} ===", highlight=False)
-        else:
-            self.live.update(self._render())
-
-    def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
-        if self.plain:
-            return
-        rate = tokens / elapsed if elapsed > 0 else 0.0
-        self.progress = f"{finished}/{total} done, {tokens} tokens, {rate:,.0f} tok/s, {elapsed:.1f} s"
-        self.live.update(self._render())
-
-    def finish_run(self, metrics) -> None:
-        label, warmup, _ = self.rows[-1]
-        self.rows[-1] = (label, warmup, metrics)
-        self.progress = None
-        if self.plain:
-            lines = stream_lines(metrics) if self.kind == "stream" else sched_lines(metrics)
-            for line in lines:
-                self.console.print(line, highlight=False)
-        else:
-            self.live.update(self._render())
-
-    def _render(self):
-        table = Table(title=self.title, title_justify="left")
-        if self.kind == "stream":
-            cols = ["run", "tok/s (compl)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
-                    "Latency p50/p99 ms"]
-        else:
-            cols = ["run", "decode s", "total s", "tok/s (compl,decode)", "tok/s (compl,total)", "TTFT p50 ms",
-                    "TPOT p50 ms"]
-        for c in cols:
-            table.add_column(c, justify="left" if c == "run" else "right")
-        for label, warmup, m in self.rows:
-            name = f"{label} (warmup)" if warmup else label
-            style = "dim" if warmup else None
-            if m is None:
-                table.add_row(name, self.progress or "", *[""] * (len(cols) - 2), style=style)
-            elif self.kind == "stream":
-                d = m.dists
-                table.add_row(name, f"{m.throughput_completion:,.0f}",
-                              *[f"{_ms(d[k].p50)}/{_ms(d[k].p99)}" for k in ("ttft", "tpot", "itl", "latency")],
-                              style=style)
-            else:
-                table.add_row(name, f"{m.decode_s:.3f}", f"{m.total_s:.3f}", f"{m.throughput_decode:,.0f}",
-                              f"{m.throughput_total:,.0f}", _ms(m.ttft_p50 if m.ttft_p50 is not None else float("nan")),
-                              _ms(m.tpot_p50 if m.tpot_p50 is not None else float("nan")), style=style)
-        return Group(table)
+def print_startup(console: Console, startup: dict, plain: Optional[bool] = None) -> None:
+    """The start-up figures on their own: they are never inside a run's figures."""
+    if _is_plain(console, plain):
+        _emit(console, startup_line(startup))
+        return
+    table = Table(title="Startup (not in any run)", title_justify="left")
+    table.add_column("stage")
+    table.add_column("s", justify="right")
+    for k, v in startup.items():
+        table.add_row(_STARTUP_NAMES.get(k, k), "-" if _absent(v) else f"{v:.2f}")
+    console.print(table)
 
 
 def stream_lines(m: RunMetrics) -> list[str]:
+    """One measured stream run in the posts' format; figures with no samples are left out."""
     lines = [f"Requests: {m.requests}", f"Prompt tokens (total): {m.prompt_tokens}",
-             f"Completion tokens (total): {m.completion_tokens}", f"Submit wall: {m.submit_wall_s:.6f} s"]
+             f"Completion tokens (total): {m.completion_tokens}"]
+    if not _absent(m.submit_wall_s):
+        lines.append(f"Submit wall: {m.submit_wall_s:.6f} s")
     for k in STREAM_FIGURES:
-        unit = " ms/token" if k == "tpot" else " ms"
-        lines.append(f"{_PLAIN_LABELS[k]} p50/p95/p99: {_triple(m.dists[k])}{unit}")
-    lines.append(f"Throughput (completion,total): {m.throughput_completion:.2f}/{m.throughput_total:.2f} tokens/s")
+        d = m.dists[k]
+        if d.count == 0:
+            continue
+        line = f"{_PLAIN_LABELS[k]} p50/p95/p99: {_triple(d)}{' ms/token' if k == 'tpot' else ' ms'}"
+        if k == "tpot" and m.tpot_left_out:
+            line += f" ({m.tpot_left_out} one-token request{'s' if m.tpot_left_out != 1 else ''} left out)"
+        if k == "itl" and not _absent(m.mean_chunk_tokens) and m.mean_chunk_tokens > 1.0:
+            line += f" (per chunk, {m.mean_chunk_tokens:.1f} tokens/chunk)"
+        lines.append(line)
+    lines.append(f"Throughput (completion,total): {m.throughput_completion:.2f} tokens/s")
+    lines.append(f"Throughput (prompt+completion,total): {m.throughput_total:.2f} tokens/s")
+    lines.append(f"Wall: {m.wall_s:.6f} s")
     if m.errors:
         lines.append(f"Errors: {m.errors}")
     return lines
 
 
 def sched_lines(m: SchedRunMetrics) -> list[str]:
-    lines = [f"Decode time: {m.decode_s:.6f} s", f"Total time: {m.total_s:.6f} s",
+    """One measured sched run (figures as the posts' summary names them)."""
+    lines = [f"Decode time: {m.decode_s:.6f} s", f"Prefill time: {m.prefill_s:.6f} s", f"Total time: {m.total_s:.6f} s",
              f"Throughput(completion,decode): {m.throughput_decode:.2f} tokens/s",
              f"Throughput(completion,total): {m.throughput_total:.2f} tokens/s"]
-    if m.ttft_p50 is not None:
-        lines += [f"TTFT p50: {_ms(m.ttft_p50)} ms", f"TPOT p50: {_ms(m.tpot_p50)} ms/token",
-                  f"Latency p50: {_ms(m.latency_p50)} ms"]
+    for name, label, unit in (("ttft", "TTFT", "ms"), ("tpot", "TPOT", "ms/token"), ("latency", "Latency", "ms")):
+        p50, p99 = getattr(m, f"{name}_p50"), getattr(m, f"{name}_p99")
+        if p50 is not None:
+            lines.append(f"{label} p50/p99: {_ms(p50)}/{_ms(p99)} {unit}")
     return lines
 
 
-def print_stream_summary(console: Console, measured: list[RunMetrics], summary: dict) -> None:
-    """Median over measured runs of each figure (and the spread between runs)."""
-    n = len(measured)
-    if not console.is_terminal:
-        console.print(f"=== summary: median of {n} measured run{'s' if n != 1 else ''} ===", highlight=False)
-        for k in STREAM_FIGURES:
-            vals = "/".join(_ms(summary[f"{k}_p{q}"]) for q in (50, 95, 99))
-            unit = " ms/token" if k == "tpot" else " ms"
-            console.print(f"{_PLAIN_LABELS[k]} p50/p95/p99: {vals}{unit}", highlight=False)
-        console.print(f"Throughput (completion,total): {summary['throughput_completion']:.2f}/"
-                      f"{summary['throughput_total']:.2f} tokens/s", highlight=False)
-        return
-    table = Table(title=f"Summary: median of {n} measured run{'s' if n != 1 else ''}", title_justify="left")
-    for c in ("figure", "p50 ms", "p95 ms", "p99 ms"):
-        table.add_column(c, justify="left" if c == "figure" else "right")
+def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
+    """A warm-up run in one line, worded so that greps for measured figures do not match it."""
+    if isinstance(m, RunMetrics):
+        return (f"warmup (not measured): {m.completion_tokens} tokens in {m.wall_s:.3f} s, "
+                f"{m.throughput_completion:.2f} tokens/s, TTFT p50 {_ms(m.dists['ttft'].p50)} ms, "
+                f"TTFT p99 {_ms(m.dists['ttft'].p99)} ms, TPOT p50 {_ms(m.dists['tpot'].p50)} ms/token")
+    return (f"warmup (not measured): {m.completion_tokens} tokens, total {m.total_s:.3f} s, "
+            f"decode {m.throughput_decode:.2f} tokens/s")
+
+
+class RunTable:
+    """Rows of runs: a live Rich table in a terminal, plain post-format lines otherwise
+    (or with ``plain=True``). A context manager; ``kind`` is "stream" or "sched"."""
+
+    def __init__(self, console: Console, kind: str, title: str = "", plain: Optional[bool] = None,
+                 refresh_s: float = 0.25):
+        if kind not in ("stream", "sched"):
+            raise ValueError(f"RunTable kind must be stream or sched, got {kind!r}")
+        self.console = console
+        self.kind = kind
+        self.title = title
+        self.plain = _is_plain(console, plain)
+        self.refresh_s = refresh_s
+        self.rows: list[list] = []  # [label, warmup, metrics or None]
+        self.progress = ""
+        self._live: Optional[Live] = None
+        self._next_draw = 0.0
+
+    def __enter__(self) -> "RunTable":
+        if not self.plain:
+            self._live = Live(self._render(), console=self.console, auto_refresh=False, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._live is not None:
+            self.progress = ""
+            self._live.update(self._render(), refresh=True)
+            self._live.__exit__(*exc)
+            self._live = None
+        return False
+
+    def start_run(self, label: str, warmup: bool) -> None:
+        self.rows.append([label, bool(warmup), None])
+        self.progress = "starting"
+        if self.plain:
+            _emit(self.console, f"=== {label} ===")
+        else:
+            self._draw(force=True)
+
+    def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
+        """Progress of the run in progress: requests finished of total, output tokens so far,
+        seconds since the run started. Cheap to call often; redraws at most every refresh_s."""
+        if self.plain:
+            return
+        now = time.perf_counter()
+        if now < self._next_draw:
+            return
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        self.progress = f"{finished}/{total} done, {tokens} tokens, {rate:,.0f} tok/s, {elapsed:.1f} s"
+        self._draw(force=True, now=now)
+
+    def finish_run(self, label: Union[str, RunMetrics, SchedRunMetrics],
+                   metrics: Union[RunMetrics, SchedRunMetrics, None] = None) -> None:
+        """``finish_run(label, metrics)``, or ``finish_run(metrics)`` for the run last started."""
+        if metrics is None:
+            label, metrics = None, label
+        row = next((r for r in reversed(self.rows) if label is None or r[0] == label), None)
+        if row is None:
+            row = [label, False, None]
+            self.rows.append(row)
+        row[2] = metrics
+        self.progress = ""
+        if self.plain:
+            if row[1]:
+                _emit(self.console, warmup_line(metrics))
+            else:
+                for line in (stream_lines(metrics) if self.kind == "stream" else sched_lines(metrics)):
+                    _emit(self.console, line)
+        else:
+            self._draw(force=True)
+
+    def _draw(self, force: bool = False, now: Optional[float] = None) -> None:
+        if self._live is None:
+            return
+        now = time.perf_counter() if now is None else now
+        if force or now >= self._next_draw:
+            self._live.update(self._render(), refresh=True)
+            self._next_draw = now + self.refresh_s
+
+    def _render(self) -> Table:
+        table = Table(title=self.title or None, title_justify="left")
+        if self.kind == "stream":
+            cols = ["run", "status", "tok/s (compl)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
+                    "Latency p50/p99 ms"]
+        else:
+            cols = ["run", "status", "decode s", "total s", "tok/s (compl,decode)", "tok/s (compl,total)",
+                    "TTFT p50 ms", "TPOT p50 ms"]
+        for c in cols:
+            table.add_column(c, justify="left" if c in ("run", "status") else "right")
+        for label, warmup, m in self.rows:
+            name = label if (not warmup or "warmup" in label) else f"{label} (warmup)"
+            style = "dim" if warmup else None
+            status = "warmup, not measured" if warmup else "measured"
+            if m is None:
+                table.add_row(name, self.progress, *[""] * (len(cols) - 2), style=style)
+            elif isinstance(m, RunMetrics):
+                d = m.dists
+                table.add_row(name, status, f"{m.throughput_completion:,.0f}",
+                              *[f"{_ms(d[k].p50)}/{_ms(d[k].p99)}" for k in ("ttft", "tpot", "itl", "latency")],
+                              style=style)
+            else:
+                table.add_row(name, status, f"{m.decode_s:.3f}", f"{m.total_s:.3f}", f"{m.throughput_decode:,.0f}",
+                              f"{m.throughput_total:,.0f}", _ms(m.ttft_p50), _ms(m.tpot_p50), style=style)
+        return table
+
+
+def _runs(n: int) -> str:
+    return f"{n} measured run{'s' if n != 1 else ''}"
+
+
+def stream_summary_lines(summary: dict, measured_runs: int) -> list[str]:
+    """The median over measured runs (``summary`` = `metrics.median_run`), posts' format."""
+    lines = [f"=== summary: median of {_runs(measured_runs)} ===", f"Measured runs: {measured_runs}"]
     for k in STREAM_FIGURES:
-        table.add_row(FIGURE_LABELS[k], *[_ms(summary[f"{k}_p{q}"]) for q in (50, 95, 99)])
+        vals = [summary.get(f"{k}_p{q}") for q in (50, 95, 99)]
+        if all(_absent(v) for v in vals):
+            continue
+        lines.append(f"{_PLAIN_LABELS[k]} p50/p95/p99: {'/'.join(_ms(v) for v in vals)}"
+                     f"{' ms/token' if k == 'tpot' else ' ms'}")
+    lines.append(f"Throughput (completion,total): {summary['throughput_completion']:.2f} tokens/s")
+    lines.append(f"Throughput (prompt+completion,total): {summary['throughput_total']:.2f} tokens/s")
+    return lines
+
+
+def print_stream_summary(console: Console, measured: Sequence[RunMetrics], summary: dict,
+                         plain: Optional[bool] = None) -> None:
+    """Median over the measured runs of each figure (``summary`` from `metrics.median_run`)."""
+    n = len(measured)
+    if _is_plain(console, plain):
+        for line in stream_summary_lines(summary, n):
+            _emit(console, line)
+        return
+    table = Table(title=f"Summary: median of {_runs(n)}", title_justify="left")
+    for c in ("figure", "p50", "p95", "p99", "unit"):
+        table.add_column(c, justify="left" if c in ("figure", "unit") else "right")
+    for k in STREAM_FIGURES:
+        vals = [summary.get(f"{k}_p{q}") for q in (50, 95, 99)]
+        if not all(_absent(v) for v in vals):
+            table.add_row(FIGURE_LABELS[k], *[_ms(v) for v in vals], "ms/token" if k == "tpot" else "ms")
     console.print(table)
-    console.print(f"Throughput (completion, total): {summary['throughput_completion']:,.2f} / "
-                  f"{summary['throughput_total']:,.2f} tokens/s")
+    console.print(Text(f"Throughput (completion,total): {summary['throughput_completion']:,.2f} tokens/s\n"
+                       f"Throughput (prompt+completion,total): {summary['throughput_total']:,.2f} tokens/s",
+                       style="bold"))
 
 
-def print_sched_summary(console: Console, mode: str, warmups: int, summary: dict[str, tuple[float, float]]) -> None:
-    names = {"decode_s": ("Decode time", "s", 1.0), "total_s": ("Total time", "s", 1.0),
-             "throughput_decode": ("Throughput(completion,decode)", "tokens/s", 1.0),
-             "throughput_total": ("Throughput(completion,total)", "tokens/s", 1.0),
-             "ttft_p50": ("TTFT", "ms", 1e3), "tpot_p50": ("TPOT", "ms/token", 1e3),
-             "latency_p50": ("Latency", "ms", 1e3)}
-    console.print(f"=== {mode} summary ===", highlight=False)
-    console.print(f"Warmup runs: {warmups}", highlight=False)
-    for key, (p50, mean) in summary.items():
-        label, unit, scale = names[key]
-        digits = 6 if unit == "s" else 2
-        console.print(f"{label} p50/mean: {p50 * scale:.{digits}f}/{mean * scale:.{digits}f} {unit}", highlight=False)
+_SCHED_NAMES = {"decode_s": ("Decode time", "s"), "prefill_s": ("Prefill time", "s"), "total_s": ("Total time", "s"),
+                "throughput_decode": ("Throughput(completion,decode)", "tokens/s"),
+                "throughput_total": ("Throughput(completion,total)", "tokens/s"),
+                "ttft_p50": ("TTFT", "ms"), "tpot_p50": ("TPOT", "ms/token"), "latency_p50": ("Latency", "ms"),
+                "ttft_p99": ("TTFT p99", "ms"), "tpot_p99": ("TPOT p99", "ms/token"),
+                "latency_p99": ("Latency p99", "ms")}
+_SCHED_ORDER = ("decode_s", "total_s", "throughput_decode", "throughput_total", "ttft_p50", "tpot_p50", "latency_p50",
+                "prefill_s", "ttft_p99", "tpot_p99", "latency_p99")  # the posts' order, then the additions
 
 
-def print_compare(console: Console, names: list[str], rows_per_file: list[list]) -> None:
-    table = Table(title=f"Compared with {names[0]}", title_justify="left")
+def _sched_value(unit: str, v: float) -> str:
+    if unit == "s":
+        return f"{v:.6f}"
+    return f"{v * 1e3:.2f}" if unit.startswith("ms") else f"{v:.2f}"
+
+
+def sched_summary_lines(mode: str, warmups: int, summary: dict[str, tuple[float, float]],
+                        measured_runs: Optional[int] = None) -> list[str]:
+    """The posts' ``=== online summary ===`` block: ``<figure> p50/mean: a/b unit`` over
+    measured runs (``summary`` from `metrics.summarize_sched_runs`)."""
+    lines = [f"=== {mode} summary ===", f"Warmup runs: {warmups}"]
+    if measured_runs is not None:
+        lines.append(f"Measured runs: {measured_runs}")
+    for key in _SCHED_ORDER:
+        if key not in summary:
+            continue
+        label, unit = _SCHED_NAMES[key]
+        p50, mean = summary[key]
+        lines.append(f"{label} p50/mean: {_sched_value(unit, p50)}/{_sched_value(unit, mean)} {unit}")
+    return lines
+
+
+def print_sched_summary(console: Console, mode: str, warmups: int, summary: dict[str, tuple[float, float]],
+                        measured_runs: Optional[int] = None, plain: Optional[bool] = None) -> None:
+    if _is_plain(console, plain):
+        for line in sched_summary_lines(mode, warmups, summary, measured_runs):
+            _emit(console, line)
+        return
+    runs = "" if measured_runs is None else f", {_runs(measured_runs)}"
+    table = Table(title=f"{mode} summary ({warmups} warmup{'s' if warmups != 1 else ''}{runs})",
+                  title_justify="left")
+    for c in ("figure", "p50", "mean", "unit"):
+        table.add_column(c, justify="left" if c in ("figure", "unit") else "right")
+    for key in _SCHED_ORDER:
+        if key in summary:
+            label, unit = _SCHED_NAMES[key]
+            table.add_row(label, *[_sched_value(unit, v) for v in summary[key]], unit)
+    console.print(table)
+
+
+def _fmt(unit: str, v: Optional[float], signed: bool = False) -> str:
+    if _absent(v):
+        return "-"
+    scale = 1e3 if unit == "ms" else 1.0
+    digits = 6 if unit == "s" else 2
+    return f"{v * scale:{'+' if signed else ''},.{digits}f}"
+
+
+def _change(row: CompareRow, cell) -> str:
+    if cell.change is None:
+        return "-"
+    pct = "" if cell.percent is None else f", {cell.percent:+.1f}%"
+    return f"{_fmt(row.unit, cell.change, signed=True)}{pct}"
+
+
+def print_compare(console: Console, names: Sequence[str], rows: Sequence[CompareRow],
+                  differences: Optional[dict[str, list]] = None, plain: Optional[bool] = None) -> None:
+    """``rows`` from `compare.compare_results`; ``names[0]`` is the baseline. ``differences``
+    (`compare.config_differences`) are listed first: they make a comparison not like for like."""
+    plain = _is_plain(console, plain)
+    differences = differences or {}
+    if plain:
+        _emit(console, f"=== compare: baseline {names[0]}; {', '.join(names[1:])} ===")
+        for k, vals in differences.items():
+            _emit(console, f"Differs: {k}: {' | '.join(str(v) for v in vals)}")
+        for r in rows:
+            parts = [f"{_fmt(r.unit, c.value)} ({_change(r, c)}, {c.verdict})" for c in r.cells]
+            _emit(console, f"{r.label}: {_fmt(r.unit, r.base)} -> {' | '.join(parts)} {r.unit}")
+        _emit(console, "noise: the change is within the spread (max - min) of repeat runs; "
+                       "n/a: one measured run in each file, not judged")
+        return
+    if differences:
+        diff = Table(title="Not like for like: these differ", title_justify="left")
+        diff.add_column("option")
+        for n in names:
+            diff.add_column(n)
+        for k, vals in differences.items():
+            diff.add_row(k, *[str(v) for v in vals])
+        console.print(diff)
+    table = Table(title=f"Compared with {names[0]} (median of measured runs)", title_justify="left")
     table.add_column("figure")
+    table.add_column("unit")
     table.add_column(names[0], justify="right")
     for n in names[1:]:
         table.add_column(n, justify="right")
         table.add_column("change", justify="right")
-    figures = [r.figure for r in rows_per_file[0]] if rows_per_file else []
-    for i, fig in enumerate(figures):
-        scale = 1.0 if fig.startswith("throughput") else 1e3
-        fmt = (lambda v: f"{v * scale:,.2f}")
-        cells = [fmt(rows_per_file[0][i].base)]
-        for rows in rows_per_file:
-            r = next((x for x in rows if x.figure == fig), None)
-            if r is None:
-                cells += ["-", "-"]
-                continue
-            cells += [fmt(r.other), f"{r.percent:+.1f}% {r.verdict}"]
-        unit = "tok/s" if scale == 1.0 else "ms"
-        table.add_row(f"{fig} ({unit})", *cells)
+        table.add_column("", justify="left")
+    for r in rows:
+        cells = []
+        for c in r.cells:
+            cells += [_fmt(r.unit, c.value), _change(r, c), Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, ""))]
+        table.add_row(r.label, r.unit, _fmt(r.unit, r.base), *cells)
     console.print(table)
+    console.print(Text("noise: the change is within the spread (max - min) of repeat runs; "
+                       "n/a: one measured run in each file, not judged", style="dim"))

@@ -1,71 +1,181 @@
-"""Result files (`--save-result FILE.json`) and their comparison (`rose bench compare`).
+"""Result files: ``--save-result FILE.json`` writes one, ``rose bench compare`` reads them.
 
-Schema ``rosecli.bench/1`` (a JSON object):
-- ``schema``: "rosecli.bench/1"
-- ``kind``: "stream" | "sched"
-- ``command``: the rose command line
-- ``config``: every option of the run (engine, workload, sampling)
-- ``environment``: gpu, torch, triton, transformers, python, platform, rosecli commit, time
-- ``startup``: seconds spent before any run (model_load_s, compile_s, graph_capture_s)
-- ``runs``: one object per run, in order, with ``warmup`` (bool), ``label`` and ``figures``:
-  flat figure names to values, times in seconds, rates in tokens/s
-  (stream: throughput_completion, throughput_total, ttft_p50 ... latency_p99, see
-  ``metrics.flatten``; sched: decode_s, total_s, throughput_decode, throughput_total, ttft_p50,
-  tpot_p50, latency_p50)
-- ``summary``: the median over measured runs of each figure
-- ``requests``: per measured run, raw per-request timestamps relative to the run's first
-  submit (stream only): prompt_tokens, output_tokens, submit, first_token, finish, token_times
+Schema ``rosecli.bench/1``: one JSON object (documented also in docs/bench-results.md).
+Times are seconds, rates tokens/s; a figure that could not be measured is ``null``.
+
+- ``schema``: ``"rosecli.bench/1"``. A reader refuses any other value.
+- ``kind``: ``"stream"`` | ``"sched"``.
+- ``command``: the command line that produced it (``rose bench stream ...``).
+- ``config``: every option of the run (engine, workload, sampling), name -> value.
+- ``environment``: ``gpu`` (device name or null), ``gpu_count``, ``cuda`` (torch's CUDA
+  version), ``torch``, ``triton``, ``transformers`` (versions or null), ``python``,
+  ``platform``, ``commit`` (``git rev-parse HEAD`` of the rosecli checkout, null when not a
+  git checkout), ``dirty`` (tracked files changed since that commit; null without git),
+  ``time`` (UTC, ISO 8601).
+- ``startup``: seconds spent before any run, e.g. ``model_load_s``, ``compile_s``,
+  ``graph_capture_s``; never part of a run's figures.
+- ``runs``: every run in order, warm-ups first: ``{"label": "warmup 1/1", "warmup": true,
+  "figures": {...}, "errors": [...]}``. Figures are flat keys: for stream
+  ``metrics.flatten`` (``throughput_completion``, ``throughput_total``, ``wall_s``,
+  ``submit_wall_s``, ``ttft_p50`` ... ``latency_mean``); for sched
+  ``metrics.SCHED_FIGURES`` (``decode_s``, ``total_s``, ``prefill_s``,
+  ``throughput_decode``, ``throughput_total``, ``ttft_p50`` ...).
+- ``summary``: over the measured runs (``warmup`` false): the median of each figure.
+- ``requests``: one list per measured run (in run order), one object per request:
+  ``request_id``, ``prompt_tokens``, ``output_tokens``, ``finish_reason``, ``chunk_tokens``
+  and the timestamps ``scheduled_submit``, ``submit``, ``add_request_done``, ``tokenized``,
+  ``admitted``, ``first_token``, ``finish``, ``token_times`` (each chunk's receive time) in
+  seconds relative to that run's start (its first submit).
+
+API:
+    doc = build_result(kind, config, startup, runs, summary, requests=None, command=None)
+    save_result(path, kind, config, startup, runs, summary, requests=None, command=None) -> doc
+    load_result(path) -> doc            # raises ConfigError on unreadable file / unknown schema
+    run_record(label, warmup, metrics, errors=None) -> dict      # one entry of "runs"
+    request_records(timings, t0) -> list[dict]                    # one entry of "requests"
+    summary_of(runs) -> dict                                      # median over measured runs
+    measured_runs(doc) -> list[dict]
+    environment() -> dict
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
-from rosecli.bench.metrics import percentile
+from rosecli.bench.metrics import RequestTiming, RunMetrics, SchedRunMetrics, flatten, percentile, sched_figures
 from rosecli.engine.errors import ConfigError
 
 SCHEMA = "rosecli.bench/1"
+KINDS = ("stream", "sched")
+_TIMESTAMPS = ("scheduled_submit", "submit", "add_request_done", "tokenized", "admitted", "first_token", "finish")
+
+
+def _git(args: list[str], cwd: str) -> Optional[str]:
+    try:
+        p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def _checkout() -> tuple[Optional[str], Optional[bool]]:
+    """Commit and dirty flag of the git checkout rosecli runs from; (None, None) when the
+    package is not in one (an installed copy inside some other repository does not count)."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../rosecli
+    top = _git(["rev-parse", "--show-toplevel"], pkg)
+    if top is None or os.path.realpath(os.path.join(top, "rosecli")) != os.path.realpath(pkg):
+        return None, None
+    commit = _git(["rev-parse", "HEAD"], pkg)
+    status = _git(["status", "--porcelain", "--untracked-files=no"], pkg)
+    return commit, (None if status is None else bool(status))
 
 
 def environment() -> dict:
+    """Where the figures were taken. Imports torch (only here) for the GPU and versions."""
     import torch
 
-    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    env: dict = {"gpu": None, "gpu_count": 0, "cuda": torch.version.cuda, "torch": torch.__version__}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_count"] = torch.cuda.device_count()
     for mod in ("triton", "transformers"):
         try:
             env[mod] = __import__(mod).__version__
-        except Exception:
+        except Exception:  # absent or broken: the version is unknown, not an error
             env[mod] = None
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                                       text=True, timeout=5).stdout.strip() or None
-    except Exception:
-        env["commit"] = None
+    env["python"] = platform.python_version()
+    env["platform"] = platform.platform()
+    env["commit"], env["dirty"] = _checkout()
+    env["time"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return env
 
 
-def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[dict], summary: dict,
-                requests: Optional[list] = None) -> None:
-    doc = {"schema": SCHEMA, "kind": kind, "command": " ".join(["rose", *sys.argv[1:]]), "config": config,
-           "environment": environment(), "startup": startup, "runs": runs, "summary": summary,
-           "requests": requests or []}
+def run_record(label: str, warmup: bool, metrics: Union[RunMetrics, SchedRunMetrics],
+               errors: Optional[list[str]] = None) -> dict:
+    """One entry of ``runs``."""
+    figures = flatten(metrics) if isinstance(metrics, RunMetrics) else sched_figures(metrics)
+    return {"label": label, "warmup": bool(warmup), "figures": figures, "errors": list(errors or [])}
+
+
+def request_records(timings: Sequence[RequestTiming], t0: float) -> list[dict]:
+    """Raw per-request timestamps of one run, relative to ``t0`` (the run's start)."""
+    out = []
+    for t in timings:
+        rec = {"request_id": t.request_id, "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+               "finish_reason": t.finish_reason}
+        for k in _TIMESTAMPS:
+            v = getattr(t, k)
+            rec[k] = None if v is None else v - t0
+        rec["token_times"] = [x - t0 for x in t.token_times]
+        rec["chunk_tokens"] = list(t.chunk_tokens)
+        out.append(rec)
+    return out
+
+
+def measured_runs(doc: dict) -> list[dict]:
+    return [r for r in doc["runs"] if not r.get("warmup")]
+
+
+def summary_of(runs: Sequence[dict]) -> dict[str, float]:
+    """The median over measured runs (entries of ``runs`` with warmup false) of each figure."""
+    vals: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get("warmup"):
+            continue
+        for k, v in r["figures"].items():
+            vals.setdefault(k, [])
+            if isinstance(v, (int, float)) and not math.isnan(v):
+                vals[k].append(v)
+    return {k: percentile(v, 50) for k, v in vals.items()}
+
+
+def _finite(obj):
+    """NaN/inf -> None, so the file is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def build_result(kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,
+                 requests: Optional[list] = None, command: Optional[str] = None,
+                 env: Optional[dict] = None) -> dict:
+    """The result document (see the module docstring). ``summary`` defaults to `summary_of(runs)`;
+    ``command`` to this process's command line; ``env`` to `environment()`."""
+    if kind not in KINDS:
+        raise ConfigError(f"result kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    return _finite({
+        "schema": SCHEMA, "kind": kind, "command": command or " ".join(["rose", *sys.argv[1:]]),
+        "config": config, "environment": env if env is not None else environment(), "startup": startup,
+        "runs": runs, "summary": summary if summary is not None else summary_of(runs), "requests": requests or []})
+
+
+def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,
+                requests: Optional[list] = None, command: Optional[str] = None, env: Optional[dict] = None) -> dict:
+    """Write the result document to ``path`` (atomically) and return it."""
+    doc = build_result(kind, config, startup, runs, summary, requests, command, env)
     tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1, default=str, allow_nan=False)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ConfigError(f"--save-result: cannot write {path}: {e.strerror}") from None
+    return doc
 
 
 def load_result(path: str) -> dict:
+    """Read and check a result file; ConfigError names the file and the problem."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -73,56 +183,10 @@ def load_result(path: str) -> dict:
         raise ConfigError(f"cannot read result file {path}: {e.strerror}") from None
     except ValueError as e:
         raise ConfigError(f"{path} is not a JSON result file: {e}") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        got = doc.get("schema") if isinstance(doc, dict) else None
-        raise ConfigError(f"{path} has schema {got!r}; this rose reads {SCHEMA!r} result files")
+    got = doc.get("schema") if isinstance(doc, dict) else None
+    if got != SCHEMA:
+        raise ConfigError(f"{path} has schema {got!r}; this rose reads {SCHEMA!r} result files "
+                          "(written by rose bench ... --save-result)")
+    if doc.get("kind") not in KINDS or not isinstance(doc.get("runs"), list) or not isinstance(doc.get("summary"), dict):
+        raise ConfigError(f"{path}: schema {SCHEMA} file without a valid kind, runs list or summary")
     return doc
-
-
-# Figures where a larger value is better; every other figure is a time (smaller is better).
-HIGHER_IS_BETTER = ("throughput_completion", "throughput_total", "throughput_decode")
-
-
-@dataclass
-class CompareRow:
-    figure: str
-    base: float
-    other: float
-    change: float
-    percent: float
-    verdict: str  # "better" | "worse" | "noise" | "same" | "n/a"
-
-
-def _spread(doc: dict, figure: str) -> Optional[float]:
-    vals = [r["figures"].get(figure) for r in doc["runs"] if not r.get("warmup")]
-    vals = [v for v in vals if isinstance(v, (int, float))]
-    return max(vals) - min(vals) if len(vals) >= 2 else None
-
-
-def compare(base: dict, other: dict) -> list[CompareRow]:
-    """Each summary figure of ``other`` against ``base``. A change smaller than the larger
-    spread (max - min) of that figure over either file's measured runs is marked noise; with
-    fewer than two measured runs in both, the spread is unknown and the verdict is n/a."""
-    rows = []
-    for fig, b in base["summary"].items():
-        o = other["summary"].get(fig)
-        if not isinstance(b, (int, float)) or not isinstance(o, (int, float)):
-            continue
-        change = o - b
-        pct = 100.0 * change / b if b else float("nan")
-        spreads = [s for s in (_spread(base, fig), _spread(other, fig)) if s is not None]
-        if change == 0:
-            verdict = "same"
-        elif not spreads:
-            verdict = "n/a"
-        elif abs(change) <= max(spreads):
-            verdict = "noise"
-        else:
-            better = change > 0 if fig in HIGHER_IS_BETTER else change < 0
-            verdict = "better" if better else "worse"
-        rows.append(CompareRow(fig, b, o, change, pct, verdict))
-    return rows
-
-
-def median_of(values: list[float]) -> float:
-    return percentile(values, 50)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rosecli.bench import metrics
+from rosecli.bench import metrics, results
 from rosecli.bench.drivers import run_sched, run_stream
 from rosecli.bench.workload import WorkloadSpec, build_workload
 from rosecli.engine.config import SamplingParams
@@ -31,12 +31,7 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
             runs.append({"label": label, "warmup": warmup, "figures": metrics.flatten(m), "errors": run.errors})
             if not warmup:
                 measured.append(m)
-                t0 = run.wall_start
-                raw.append([{"prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
-                             "submit": t.submit - t0,
-                             "first_token": None if t.first_token is None else t.first_token - t0,
-                             "finish": None if t.finish is None else t.finish - t0,
-                             "token_times": [x - t0 for x in t.token_times]} for t in run.timings])
+                raw.append(results.request_records(run.timings, run.wall_start))
     finally:
         manager.close()
     return {"runs": runs, "summary": metrics.median_run(measured), "requests": raw, "measured": measured}
@@ -52,8 +47,7 @@ def bench_sched(engine, spec: WorkloadSpec, params: SamplingParams, mode: str, w
         run = run_sched(engine.scheduler, workload, params, mode, table.update)
         m = metrics.summarize_sched_run(run)
         table.finish_run(m)
-        figures = {k: getattr(m, k) for k in metrics.SCHED_FIGURES if getattr(m, k) is not None}
-        runs.append({"label": label, "warmup": warmup, "figures": figures})
+        runs.append({"label": label, "warmup": warmup, "figures": metrics.sched_figures(m)})
         if not warmup:
             measured.append(m)
     summary = metrics.summarize_sched_runs(measured)

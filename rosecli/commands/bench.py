@@ -151,7 +151,7 @@ def sched(
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:
             out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table)
-        report.print_sched_summary(console, mode, warmup_runs, out["pairs"])
+        report.print_sched_summary(console, mode, warmup_runs, out["pairs"], len(out["measured"]))
         if save_result:
             results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
                                 engine.startup_times, out["runs"], out["summary"])
@@ -164,6 +164,7 @@ def sched(
 def compare(files: Annotated[list[str], typer.Argument(help="Result files from --save-result; the first is the "
                                                        "baseline.")]) -> None:
     """Compare saved results figure by figure; changes within the spread of repeat runs are marked noise."""
+    from rosecli.bench import compare as cmp
     from rosecli.bench import report, results
 
     if len(files) < 2:
@@ -172,8 +173,7 @@ def compare(files: Annotated[list[str], typer.Argument(help="Result files from -
     kinds = {d["kind"] for d in docs}
     if len(kinds) > 1:
         raise ConfigError(f"cannot compare results of different benchmarks ({', '.join(sorted(kinds))})")
-    rows = [results.compare(docs[0], d) for d in docs[1:]]
-    report.print_compare(Console(), files, rows)
+    report.print_compare(Console(), files, cmp.compare_results(docs), cmp.config_differences(docs))
 
 
 stream.__doc__ = f"{stream.__doc__}\n\n{FIGURES_HELP}"

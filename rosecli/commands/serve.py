@@ -1,0 +1,98 @@
+"""`rose serve-local`: the OpenAI-compatible streaming HTTP server (rosecli/server) on uvicorn."""
+
+from __future__ import annotations
+
+import signal
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from rosecli.commands import options as o
+from rosecli.commands.progress import startup_progress
+from rosecli.engine.config import DEFAULT_MODEL
+
+SERVER = "Server"
+GRACEFUL_SHUTDOWN_S = 10  # in-flight streams get this long to finish after SIGINT/SIGTERM, then are aborted
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+@o.user_errors
+def serve_local(
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
+    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
+    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
+    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
+    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
+    max_inflight_requests: o.MaxInflight = None,
+    host: Annotated[str, typer.Option("--host", help="Address to bind.", rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to bind.", rich_help_panel=SERVER)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROSE_API_KEY", show_envvar=True,
+                                                   help="Require 'Authorization: Bearer KEY' on every route "
+                                                   "but /health.", rich_help_panel=SERVER)] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name "
+                                                             "clients send (default: --model).",
+                                                             rich_help_panel=SERVER)] = None,
+    overload: Annotated[str, typer.Option("--overload", help="Beyond --max-inflight-requests: reject (429) or "
+                                          "wait for room.", rich_help_panel=SERVER)] = "reject",
+    exit_on_engine_error: Annotated[bool, typer.Option("--exit-on-engine-error", help="Exit non-zero when the "
+                                                       "engine worker dies (default: keep serving /health 503).",
+                                                       rich_help_panel=SERVER)] = False,
+    profile_dir: Annotated[Optional[str], typer.Option("--profile-dir", help="Enable POST /start_profile and "
+                                                       "/stop_profile; torch profiler Chrome traces go here.",
+                                                       rich_help_panel=SERVER)] = None,
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health and /metrics."""
+    import uvicorn
+    from prometheus_client import disable_created_metrics
+
+    from rosecli.engine.llm import LLMEngine
+    from rosecli.engine.streaming import StreamingManager
+    from rosecli.server.app import OVERLOAD_MODES, create_app
+
+    if overload not in OVERLOAD_MODES:
+        o.fail(f"--overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
+    if not 0 < port < 65536:
+        o.fail(f"--port must be between 1 and 65535, got {port}")
+    config = o.engine_config(
+        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
+        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
+        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
+        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx,
+        stream_interval=stream_interval, tokenize_workers=tokenize_workers,
+        max_inflight_requests=max_inflight_requests)
+    err = Console(stderr=True)
+    with startup_progress(err) as progress:
+        engine = LLMEngine(config, progress=progress)
+    manager = StreamingManager(engine)
+    disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
+    try:
+        died: list[bool] = []
+        server: Optional[uvicorn.Server] = None
+
+        def on_engine_dead() -> None:
+            died.append(True)
+            if exit_on_engine_error and server is not None:
+                server.should_exit = True
+
+        name = served_model_name or model
+        app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
+                         profile_dir=profile_dir, on_engine_dead=on_engine_dead)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on"))
+        err.print(f"[bold]{name}[/bold] on {engine.device.type}, context {engine.max_model_len}: OpenAI API at "
+                  f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)
+        # uvicorn re-raises the signal it shut down on; SIGTERM then ends the process with status 0
+        signal.signal(signal.SIGTERM, _exit_cleanly)
+        server.run()
+        if died and exit_on_engine_error:
+            o.fail(f"the engine worker died: {manager.error}", code=1)
+    finally:
+        manager.close()
+        engine.close()

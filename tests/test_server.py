@@ -1,0 +1,381 @@
+"""`rose serve-local`: a real uvicorn server on 127.0.0.1 over the tiny dummy Llama (real SmolLM2
+tokenizer), driven by the official openai client and raw httpx."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from rosecli.engine.config import EngineConfig
+from rosecli.engine.llm import LLMEngine
+from rosecli.engine.streaming import StreamingManager
+from rosecli.server.app import create_app
+
+MODEL = "tiny-llama"
+KEY = "sk-test-key"
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+class LiveServer:
+    """One engine + manager + app on uvicorn in a background thread, on a free loopback port."""
+
+    def __init__(self, cache_dir: str, api_key=None, profile_dir=None, **engine_kw):
+        self.engine = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", device="cpu", cache_dir=cache_dir,
+                                             show_progress=False, **engine_kw))
+        self.manager = StreamingManager(self.engine)
+        self.dead_calls = 0
+        app = create_app(self.manager, self.engine, api_key=api_key, served_model_name=MODEL,
+                         profile_dir=profile_dir, on_engine_dead=self._on_dead)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def _on_dead(self):
+        self.dead_calls += 1
+
+    def client(self, api_key=KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def live(cache_dir, tmp_path_factory):
+    srv = LiveServer(cache_dir, api_key=KEY, profile_dir=str(tmp_path_factory.mktemp("profiles")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return live.client()
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    with httpx.Client(base_url=live.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as c:
+        yield c
+
+
+def metrics(http) -> dict:
+    """{(name, frozenset(labels)): value} from /metrics, parsed by prometheus_client."""
+    out = {}
+    for fam in text_string_to_metric_families(http.get("/metrics").text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def chat_prompt_tokens(live, content: str) -> int:
+    ids = live.engine.tokenizer.apply_chat_template([{"role": "user", "content": content}],
+                                                    add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if hasattr(ids, "input_ids") or isinstance(ids, dict) else ids)
+
+
+def completion_prompt_tokens(live, prompt: str) -> int:
+    return len(live.engine.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+# --- the happy path --------------------------------------------------------------------------
+
+def test_completion_nonstreaming_usage_exact(live, client):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.prompt_tokens == completion_prompt_tokens(live, prompt)
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_completion_default_max_tokens_is_16(client):
+    r = client.completions.create(model=MODEL, prompt="Hello there", **GREEDY)
+    assert r.usage.completion_tokens == 16
+
+
+def test_completion_streaming_matches_nonstreaming(live, client):
+    prompt = "Once upon a time"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == completion_prompt_tokens(live, prompt)
+
+
+def test_completion_token_id_prompts(client):
+    ids = [504, 3458, 6354, 28]
+    for prompt in (ids, [ids]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, **GREEDY)
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+    r = client.completions.create(model=MODEL, prompt=["a single string in a list"], max_tokens=2, **GREEDY)
+    assert r.usage.completion_tokens == 2
+
+
+def test_chat_streaming_shape_and_usage(live, client):
+    content = "Tell me about the sea."
+    full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          max_tokens=6, **GREEDY)
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content and full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == chat_prompt_tokens(live, content)
+    assert full.usage.completion_tokens == 6
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                 max_completion_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == msg.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_chat_raw_sse_framing(http):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-1]["choices"][0]["delta"] == {} and payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in payloads[-1]  # only with stream_options.include_usage
+
+
+def test_stop_string_excluded(client):
+    base = client.completions.create(model=MODEL, prompt="Rivers flow to", max_tokens=12, **GREEDY)
+    text = base.choices[0].text
+    assert len(text) > 6
+    stop = text[4:7]
+    expected = text[:text.find(stop)]
+    r = client.completions.create(model=MODEL, prompt="Rivers flow to", max_tokens=12, stop=[stop], **GREEDY)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="Rivers flow to", max_tokens=12, stop=stop,
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(live, http):
+    models = live.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(live.url + "/health").status_code == 200  # no key needed
+
+
+def test_32_concurrent_streams(live):
+    prompts = [f"Request number {i} asks about topic {i * 7}" for i in range(32)]
+
+    def one(i):
+        c = live.client()
+        text, usage = "", None
+        for chunk in c.completions.create(model=MODEL, prompt=prompts[i], max_tokens=8, stream=True,
+                                          stream_options={"include_usage": True}, **GREEDY):
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    for i, (text, usage) in enumerate(results):
+        assert usage.completion_tokens == 8 and text
+        assert usage.prompt_tokens == completion_prompt_tokens(live, prompts[i])
+
+
+# --- abuse -----------------------------------------------------------------------------------
+
+def _bad(http, path, body, status=400, param=None, raw=None):
+    r = http.post(path, content=raw, headers={"content-type": "application/json"}) if raw is not None \
+        else http.post(path, json=body)
+    assert r.status_code == status, (body, raw, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_bad_completion_requests_are_400(http):
+    long_prompt = "word " * 600
+    cases = [
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+        ({"model": MODEL, "prompt": []}, "prompt"),
+        ({"model": MODEL, "prompt": long_prompt}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 12}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 512}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, "prompt"),
+        ({"model": MODEL, "prompt": 123}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "stream": "maybe"}, "stream"),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ]
+    for body, param in cases:
+        _bad(http, "/v1/completions", body, param=param)
+    err = _bad(http, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 512})
+    assert "512" in err["message"] and "512" in err["message"]
+    _bad(http, "/v1/completions", None, raw=b'{"model": "tiny-llama", "prompt": "hi",')
+    _bad(http, "/v1/completions", None, raw=b"[1, 2]")
+    err = _bad(http, "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, status=404, param="model")
+    assert err["code"] == "model_not_found"
+
+
+def test_bad_chat_requests_are_400(http):
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": "hi"}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, None),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
+        ({"model": MODEL, "messages": msg, "max_completion_tokens": -3}, "max_completion_tokens"),
+        ({"model": MODEL, "messages": msg, "max_tokens": 100000}, "max_tokens"),
+        ({"model": MODEL, "messages": msg, "temperature": -1}, "temperature"),
+        ({"model": MODEL, "messages": msg, "top_p": 2}, "top_p"),
+        ({"model": MODEL, "messages": msg, "n": 3}, "n"),
+    ]
+    for body, param in cases:
+        _bad(http, "/v1/chat/completions", body, param=param)
+
+
+def test_the_openai_client_sees_bad_requests(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-5)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_api_key(live):
+    assert httpx.get(live.url + "/v1/models").status_code == 401
+    r = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(live.url + "/metrics").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        live.client(api_key="wrong").models.list()
+    assert httpx.get(live.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(live.url + "/health").status_code == 200
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(http):
+    before = metrics(http)[("rose_requests_total", frozenset({("finish_reason", "abort")}))]
+    body = {"model": MODEL, "prompt": "A long story: " * 20, "max_tokens": 380, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert all(line == "" or line.startswith("data: ") for line in got)
+        held = metrics(http)[("rose_kv_blocks_used", frozenset())]
+    assert held > 0  # the stream held KV blocks while it ran
+    deadline = time.monotonic() + 5
+    while True:
+        m = metrics(http)
+        if m[("rose_kv_blocks_used", frozenset())] == 0 and m[("rose_num_requests_running", frozenset())] == 0:
+            break
+        assert time.monotonic() < deadline, "KV blocks were not released after the client went away"
+        time.sleep(0.05)
+    assert m[("rose_requests_total", frozenset({("finish_reason", "abort")}))] == before + 1
+
+
+def test_metrics_parse(http, client):
+    client.completions.create(model=MODEL, prompt="metrics please", max_tokens=4, **GREEDY)
+    m = metrics(http)
+    assert m[("rose_requests_total", frozenset({("finish_reason", "length")}))] >= 1
+    for name in ("rose_num_requests_running", "rose_num_requests_waiting", "rose_kv_blocks_used",
+                 "rose_kv_blocks_total", "rose_prefix_cache_hit_rate"):
+        assert (name, frozenset()) in m
+    assert m[("rose_kv_blocks_total", frozenset())] > 0
+    for hist in ("rose_time_to_first_token_seconds", "rose_time_per_output_token_seconds",
+                 "rose_e2e_request_latency_seconds"):
+        assert m[(hist + "_count", frozenset())] >= 1
+        assert m[(hist + "_sum", frozenset())] > 0
+
+
+def test_profile_endpoints(http, client):
+    assert http.post("/stop_profile").status_code == 400
+    assert http.post("/start_profile").status_code == 200
+    assert http.post("/start_profile").status_code == 400
+    client.completions.create(model=MODEL, prompt="profile me", max_tokens=3, **GREEDY)
+    r = http.post("/stop_profile")
+    assert r.status_code == 200
+    with open(r.json()["trace"]) as f:
+        assert "traceEvents" in json.load(f)
+
+
+# --- overload and engine death (their own server) --------------------------------------------
+
+def test_overload_then_engine_death(cache_dir):
+    srv = LiveServer(cache_dir, max_inflight_requests=1)
+    try:
+        long_body = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 480, "stream": True,
+                     "temperature": 0, "ignore_eos": True}
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=long_body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                over = http.post("/v1/completions", json={"model": MODEL, "prompt": "me too", "max_tokens": 2})
+                assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
+
+                def boom():
+                    raise RuntimeError("simulated device failure")
+
+                srv.engine.scheduler.step = boom
+                rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]"
+            err = json.loads(rest[-2][len("data: "):])["error"]
+            assert "simulated device failure" in err["message"]
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "anyone?", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+            with pytest.raises(openai.APIError):
+                srv.client().completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True).__next__()
+            deadline = time.monotonic() + 3
+            while srv.dead_calls == 0:
+                assert time.monotonic() < deadline, "on_engine_dead was not called"
+                time.sleep(0.02)
+            assert srv.dead_calls == 1
+    finally:
+        srv.stop()

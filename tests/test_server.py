@@ -149,6 +149,11 @@ def test_chat_streaming_shape_and_usage(live, client):
     assert full.usage.prompt_tokens == chat_prompt_tokens(live, content)
     assert full.usage.completion_tokens == 6
 
+    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "about the sea."}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=1,
+                                       **GREEDY)
+    assert r.usage.prompt_tokens == full.usage.prompt_tokens
+
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                                  max_completion_tokens=6, stream=True,
                                                  stream_options={"include_usage": True}, **GREEDY))
@@ -276,6 +281,8 @@ def test_bad_chat_requests_are_400(http):
         ({"model": MODEL, "messages": msg, "temperature": -1}, "temperature"),
         ({"model": MODEL, "messages": msg, "top_p": 2}, "top_p"),
         ({"model": MODEL, "messages": msg, "n": 3}, "n"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, "messages[0].content"),
     ]
     for body, param in cases:
         _bad(http, "/v1/chat/completions", body, param=param)

@@ -48,12 +48,15 @@ def serve_local(
                                                        rich_help_panel=SERVER)] = None,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health and /metrics."""
-    import uvicorn
-    from prometheus_client import disable_created_metrics
+    try:
+        import uvicorn
+        from prometheus_client import disable_created_metrics
 
+        from rosecli.server.app import OVERLOAD_MODES, create_app
+    except ImportError as e:
+        o.fail(f"rose serve-local needs the server extras ({e.name} is missing): pip install 'rosecli[serve]'")
     from rosecli.engine.llm import LLMEngine
     from rosecli.engine.streaming import StreamingManager
-    from rosecli.server.app import OVERLOAD_MODES, create_app
 
     if overload not in OVERLOAD_MODES:
         o.fail(f"--overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")

@@ -23,6 +23,8 @@ for step in $steps; do
     decode) python3 scripts/bench_decode.py --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode.json" 2>&1 | grep -v '^\[transformers' | tail -9 | tee "$OUT/decode.txt" ;;
     decode-smollm2) python3 scripts/bench_decode.py --model smollm2-135m --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode_smollm2.json" 2>&1 | grep -v '^\[transformers' | tail -9 | tee "$OUT/decode_smollm2.txt" ;;
     workloads) bash scripts/workloads.sh 2>&1 | tee "$OUT/workloads.txt" ;;
+    serve) timeout 300 python3 scripts/load_test.py --model gpt2 --load-format dummy --device cuda --num-requests 500 \
+             --concurrency 64 --max-tokens 128 2>&1 | grep -v "^INFO" | tee "$OUT/load.txt" ;;
     nsys)
       NSYS=$(ls /opt/nvidia/nsight-systems/*/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
       echo "nsys: $NSYS"; ls -d /opt/nvidia/* 2>/dev/null

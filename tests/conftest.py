@@ -6,6 +6,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+if not torch.cuda.is_available():
+    # test_kernels runs the Triton kernels in the interpreter on CPU; triton reads this when a
+    # kernel is defined, i.e. when the first test module imports rosecli.kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

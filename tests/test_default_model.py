@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow
 def engine(cache_dir):
     from rosecli.engine.llm import LLMEngine
 
-    engine = LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", show_progress=False))
+    # float weights: the conversion test below compares logits with transformers at 1e-3
+    engine = LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", cpu_weights="float", show_progress=False))
     yield engine
     engine.close()
 
@@ -49,3 +50,17 @@ def test_conversion_matches_transformers_gguf_loader(engine, cache_dir):
 
     ours = _prefill_logits(copy.deepcopy(engine.loaded.model), ids)[-1]
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-3
+
+
+def test_default_int8_cpu_path_answers_too(cache_dir):
+    """What users run by default on CPU: int8 weight-only linear layers."""
+    from rosecli.engine.llm import LLMEngine
+
+    engine = LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", show_progress=False))
+    try:
+        assert engine.config.cpu_weights == "int8"
+        ids = engine.apply_chat_template("What is the capital of France?")
+        seq = engine.generate([ids], SamplingParams(max_new_tokens=32))[0]
+        assert "Paris" in engine.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    finally:
+        engine.close()

@@ -47,7 +47,7 @@ def _config_dict(config, spec, params, **extra) -> dict:
 
 @o.user_errors
 def stream(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto",
     device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
     prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
@@ -76,7 +76,7 @@ def stream(
     params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                do_sample=do_sample, stop_on_eos=stop_on_eos)
     config = o.engine_config(
-        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
         gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
         prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
@@ -109,7 +109,7 @@ def stream(
 
 @o.user_errors
 def sched(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto",
     device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
     prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
@@ -137,7 +137,7 @@ def sched(
     params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                do_sample=do_sample, stop_on_eos=stop_on_eos)
     config = o.engine_config(
-        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
         gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
         prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,

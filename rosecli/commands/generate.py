@@ -20,7 +20,7 @@ def generate(
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template. "
                                                  "Default: on for instruct models (those with a chat "
                                                  "template, such as smollm2-135m), off otherwise.")] = None,
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto", device: o.Device = "auto",
     dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None,
     gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
@@ -34,7 +34,7 @@ def generate(
     t_start = time.perf_counter()
     params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, do_sample=do_sample, stop_on_eos=stop_on_eos, stop=stop)
-    config = o.engine_config(model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+    config = o.engine_config(model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
                              max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                              gpu_memory_utilization=gpu_memory_utilization, paged_attn=paged_attn,
                              cuda_graph=cuda_graph, max_batch_size=max(1, len(prompts)),

@@ -56,6 +56,9 @@ StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush st
 TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
                                               "the engine thread (0: tokenize on the caller's thread).",
                                               rich_help_panel=ENGINE)]
+CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU: int8 (int8 weight-only linear layers "
+                                         "with bfloat16 activations, faster) or float (the weights as loaded, the "
+                                         "reference).", rich_help_panel=ENGINE)]
 CacheDir = Annotated[Optional[str], typer.Option("--cache-dir", envvar="ROSE_CACHE_DIR", help="Where converted "
                                                  "models are cached (default ~/.cache/rosecli).",
                                                  rich_help_panel=ENGINE)]
@@ -88,7 +91,7 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
                   paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None, nvtx: bool = False,
                   stream_interval: int = 1, tokenize_workers: int = 0,
                   max_inflight_requests: Optional[int] = None, cache_dir: Optional[str] = None,
-                  show_progress: bool = True) -> EngineConfig:
+                  cpu_weights: str = "int8", show_progress: bool = True) -> EngineConfig:
     return EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -97,7 +100,7 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
         prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
         paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx, stream_interval=stream_interval,
         tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
-        show_progress=show_progress)
+        cpu_weights=cpu_weights, show_progress=show_progress)
 
 
 def sampling_params(*, max_new_tokens: int, temperature: Optional[float], top_k: int, top_p: float,

@@ -22,7 +22,7 @@ def _exit_cleanly(signum, frame) -> None:
 
 @o.user_errors
 def serve_local(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, load_format: o.LoadFormat = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto",
     device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
     prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
@@ -63,7 +63,7 @@ def serve_local(
     if not 0 < port < 65536:
         o.fail(f"--port must be between 1 and 65535, got {port}")
     config = o.engine_config(
-        model=model, cache_dir=cache_dir, load_format=load_format, device=device, dtype=dtype, seed=seed,
+        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
         gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
         prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,

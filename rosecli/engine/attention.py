@@ -7,6 +7,7 @@ after the pool is allocated (so captured CUDA graphs see stable addresses).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +35,39 @@ class AttentionMetadata:
     cu_seqlens_q: Optional[torch.Tensor] = None  # [B+1] int32
     max_seqlen_q: int = 0
     has_prefix: bool = False  # some sequence attends to tokens cached before this step
+    # Torch decode path only, built once per step by `with_decode_gather` and shared by all layers
+    kv_index: Optional[torch.Tensor] = None  # [B, L] flat cache slot of each sequence's first L tokens
+    kv_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] additive: 0 in the context, -inf past it
+    store_rows: Optional[torch.Tensor] = None  # [B] row of the new K/V to store (padding: the first real row)
+    store_slots: Optional[torch.Tensor] = None  # [B] the cache slot each of those rows goes to
+
+
+def with_decode_gather(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> AttentionMetadata:
+    """``meta`` plus what the torch decode path needs, computed once per step instead of once
+    per layer: gather indices and length mask (L = the blocks covering ``max_context_len``,
+    times ``block_size``; the mask is additive in ``dtype``, which SDPA takes faster than a
+    boolean one on CPU) and the store plan. Device ops only (no host sync), so a CUDA graph
+    may capture it.
+
+    The store plan sends a padding row (negative slot) to the slot of the first real row with
+    that row's K/V, so one ``index_copy_`` writes each slot a single value (the result of
+    `store_kv_cache_ref`). A step with no real row at all (only the dummy batch of CUDA-graph
+    capture, before any request holds a block) writes row 0's K/V into slot 0.
+    """
+    slots = meta.slot_mapping.long()
+    keep = slots >= 0
+    rows = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), keep.to(torch.uint8).argmax())
+    store_slots = slots.index_select(0, rows).clamp_(min=0)
+    batch = meta.block_tables.shape[0]
+    nblk = max(1, -(-meta.max_context_len // block_size))
+    blocks = meta.block_tables[:, :nblk].long().clamp(min=0)
+    offsets = torch.arange(block_size, device=blocks.device)
+    kv_index = (blocks.unsqueeze(-1) * block_size + offsets).view(batch, nblk * block_size)
+    pos = torch.arange(nblk * block_size, device=blocks.device)
+    past_end = pos >= meta.context_lens.unsqueeze(1)
+    kv_mask = torch.zeros(past_end.shape, dtype=dtype, device=pos.device).masked_fill_(past_end, float("-inf"))
+    kv_mask = kv_mask[:, None, None, :]
+    return dataclasses.replace(meta, kv_index=kv_index, kv_mask=kv_mask, store_rows=rows, store_slots=store_slots)
 
 
 class Attention(nn.Module):
@@ -55,12 +89,19 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        elif meta.store_slots is not None:
+            for src, cache in ((k, self.k_cache), (v, self.v_cache)):
+                rows = src.index_select(0, meta.store_rows).to(cache.dtype)
+                cache.flatten(0, 1).index_copy_(0, meta.store_slots, rows)
         else:
             store_kv.store_kv_cache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if not meta.is_prefill:
-            fn = paged_decode.paged_decode_attention if meta.use_triton else paged_decode.paged_decode_attention_ref
-            out = fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale,
-                     meta.max_context_len)
+            if meta.kv_index is not None and not meta.use_triton:
+                out = self._decode_gathered(q, meta)
+            else:
+                fn = paged_decode.paged_decode_attention if meta.use_triton else paged_decode.paged_decode_attention_ref
+                out = fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale,
+                         meta.max_context_len)
         elif meta.use_triton:
             out = prefill_attention.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
@@ -72,6 +113,22 @@ class Attention(nn.Module):
         else:
             out = self._prefill_fresh(q, k, v, meta)
         return out.reshape(n, self.num_heads * self.head_dim)
+
+    def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`paged_decode_attention_ref` with the step's precomputed gather (`with_decode_gather`)."""
+        batch, length = meta.kv_index.shape
+        idx = meta.kv_index.view(-1)
+        kv_shape = (batch, length, self.num_kv_heads, self.head_dim)
+        k = self.k_cache.flatten(0, 1).index_select(0, idx).view(kv_shape).transpose(1, 2)
+        v = self.v_cache.flatten(0, 1).index_select(0, idx).view(kv_shape).transpose(1, 2)
+        mask = meta.kv_mask
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        if mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.squeeze(2)
 
     def _prefill_fresh(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """Causal attention over the new tokens alone (no cached prefix): no gather needed."""

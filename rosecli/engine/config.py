@@ -15,6 +15,7 @@ from rosecli.engine.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
+CPU_WEIGHTS = ("int8", "float")
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -40,6 +41,9 @@ class EngineConfig:
     load_format: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
+    # On CPU only: "int8" = int8 weight-only linear layers with bfloat16 activations (faster);
+    # "float" = the weights as loaded (the reference)
+    cpu_weights: str = "int8"
     seed: int = 0
     max_model_len: Optional[int] = None
     # KV cache
@@ -72,6 +76,8 @@ class EngineConfig:
                f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _check(self.dtype in DTYPES,
                f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.cpu_weights in CPU_WEIGHTS,
+               f"--cpu-weights must be one of {', '.join(CPU_WEIGHTS)}, got {self.cpu_weights!r}")
         _check_int("--seed", self.seed, 0)
         if self.max_model_len is not None:
             _check_int("--max-model-len", self.max_model_len, 1)

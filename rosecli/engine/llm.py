@@ -12,6 +12,7 @@ import torch
 
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
+from rosecli.engine.models.quant import quantize_for_cpu
 from rosecli.engine.runner import ModelRunner
 from rosecli.engine.scheduler import Scheduler
 from rosecli.engine.sequence import Sequence
@@ -51,6 +52,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.loaded = load_model(config, self.device, self.dtype, progress)
+        if self.device.type == "cpu" and config.cpu_weights == "int8":
+            quantize_for_cpu(self.loaded.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_times: dict[str, float] = {"model_load_s": time.perf_counter() - t0}

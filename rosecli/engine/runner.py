@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from rosecli.engine.attention import AttentionMetadata
+from rosecli.engine.attention import AttentionMetadata, with_decode_gather
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -220,6 +220,8 @@ class ModelRunner:
 
     # --- execution --------------------------------------------------------------------------
     def _decode_forward(self, batch: int, meta: AttentionMetadata):
+        if not meta.use_triton:  # inside the captured graph: the block tables change every step
+            meta = with_decode_gather(meta, self.block_size, self.dtype)
         hidden = self.model(self.d_input_ids[:batch], self.d_positions[:batch], meta)
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)

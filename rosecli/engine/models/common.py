@@ -52,9 +52,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [N, heads, head_dim] (any strides) rotated by `RotaryEmbedding.tables`, in float32, returned in x's dtype."""
-    half = x.shape[-1] // 2
     xf = x if x.dtype == cos.dtype else x.float()
-    out = xf * cos + torch.cat((xf[..., half:], xf[..., :half]), dim=-1) * sin
+    out = xf * cos + torch.roll(xf, x.shape[-1] // 2, dims=-1) * sin  # roll by half = swap the halves
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

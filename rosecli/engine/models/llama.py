@@ -47,17 +47,16 @@ class LlamaLayer(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
         """rope: `RotaryEmbedding.tables` of this step's positions."""
         n = x.shape[0]
+        qk_size = self.q_size + self.kv_size
         qkv = self.qkv_proj(self.input_layernorm(x))
         # q and k sit side by side in qkv: one rotation covers both
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(n, self.heads + self.kv_heads, self.head_dim),
-                          *rope).view(n, -1)
-        q, k = qk.split([self.q_size, self.kv_size], -1)
-        v = qkv[:, self.q_size + self.kv_size:]
-        x = x + self.o_proj(self.attn(q, k, v, meta))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, -1)
+        qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope).view(n, qk_size)
+        x = x + self.o_proj(self.attn(qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:], meta))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).view(n, 2, self.intermediate).unbind(1)
         return x + self.down_proj(F.silu(gate) * up)
 
 

@@ -101,14 +101,18 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         seq.table_version = next(self._versions)
 
+    def _evict_oldest(self) -> int:
+        """Take the least recently freed cached block out of the prefix cache."""
+        block, _ = self.evictable.popitem(last=False)
+        h = self.block_hash[block]
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+        return block
+
     def _take_block(self) -> int:
-        if self.free_ids:
-            block = self.free_ids.popleft()
-        else:
-            block, _ = self.evictable.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None and self.hash_to_block.get(h) == block:
-                del self.hash_to_block[h]
+        block = self.free_ids.popleft() if self.free_ids else self._evict_oldest()
         self.block_hash[block] = None
         self.block_tokens[block] = None
         self.ref_counts[block] = 1
@@ -162,12 +166,6 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached-but-unreferenced block (benchmarks call this between runs)."""
         while self.evictable:
-            block, _ = self.evictable.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None and self.hash_to_block.get(h) == block:
-                del self.hash_to_block[h]
-            self.block_hash[block] = None
-            self.block_tokens[block] = None
-            self.free_ids.append(block)
+            self.free_ids.append(self._evict_oldest())
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0

@@ -68,21 +68,9 @@ def stream(
     from rosecli.bench.run import bench_stream
 
     o.check_runs(warmup_runs, repeat_runs)
-    spec = o.workload_spec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
-                           pretok=pretok, num_requests=num_requests, max_new_tokens=max_new_tokens,
-                           input_len=input_len, output_len=output_len, range_ratio=range_ratio,
-                           submit_interval_ms=submit_interval_ms, submit_schedule=submit_schedule,
-                           request_rate=request_rate, seed=seed)
-    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               do_sample=do_sample, stop_on_eos=stop_on_eos)
-    config = o.engine_config(
-        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
-        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
-        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
-        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx,
-        stream_interval=stream_interval, tokenize_workers=tokenize_workers,
-        max_inflight_requests=max_inflight_requests)
+    spec = o.from_params(o.workload_spec, locals())
+    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
+    config = o.from_params(o.engine_config, locals())
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
@@ -130,18 +118,10 @@ def sched(
     o.check_runs(warmup_runs, repeat_runs)
     if mode not in ("offline", "online"):
         raise ConfigError(f"--mode must be offline or online, got {mode!r}")
-    spec = o.workload_spec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
-                           pretok=pretok, num_requests=num_requests, max_new_tokens=max_new_tokens,
-                           input_len=input_len, output_len=output_len, range_ratio=range_ratio,
-                           submit_interval_ms=0.0, submit_schedule="absolute", request_rate=None, seed=seed)
-    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                               do_sample=do_sample, stop_on_eos=stop_on_eos)
-    config = o.engine_config(
-        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
-        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
-        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
-        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx)
+    spec = o.from_params(o.workload_spec, locals(), submit_interval_ms=0.0, submit_schedule="absolute",
+                         request_rate=None)
+    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
+    config = o.from_params(o.engine_config, locals())
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:

@@ -32,13 +32,9 @@ def generate(
     from rosecli.engine.llm import LLMEngine
 
     t_start = time.perf_counter()
-    params = o.sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, do_sample=do_sample, stop_on_eos=stop_on_eos, stop=stop)
-    config = o.engine_config(model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
-                             max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-                             gpu_memory_utilization=gpu_memory_utilization, paged_attn=paged_attn,
-                             cuda_graph=cuda_graph, max_batch_size=max(1, len(prompts)),
-                             prefill_max_batch_size=max(1, len(prompts)))
+    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
+    batch = max(1, len(prompts))
+    config = o.from_params(o.engine_config, locals(), max_batch_size=batch, prefill_max_batch_size=batch)
     err = Console(stderr=True)
     with startup_progress(err) as progress:
         engine = LLMEngine(config, progress=progress)

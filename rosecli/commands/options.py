@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Annotated, Optional
 
@@ -183,3 +184,12 @@ def check_runs(warmup_runs: int, repeat_runs: int) -> None:
         raise ConfigError(f"--warmup-runs must be >= 0, got {warmup_runs}")
     if repeat_runs < 1:
         raise ConfigError(f"--repeat-runs must be >= 1, got {repeat_runs}")
+
+
+def from_params(builder, values: dict, **overrides):
+    """Call ``builder`` (engine_config, sampling_params or workload_spec) with every argument it
+    takes, read by name from a command's parameters (``locals()``), so each option is passed
+    through in one place."""
+    kwargs = {name: values[name] for name in inspect.signature(builder).parameters if name in values}
+    kwargs.update(overrides)
+    return builder(**kwargs)

@@ -62,14 +62,7 @@ def serve_local(
         o.fail(f"--overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
     if not 0 < port < 65536:
         o.fail(f"--port must be between 1 and 65535, got {port}")
-    config = o.engine_config(
-        model=model, cache_dir=cache_dir, cpu_weights=cpu_weights, load_format=load_format, device=device, dtype=dtype, seed=seed,
-        max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-        gpu_memory_utilization=gpu_memory_utilization, prefix_cache=prefix_cache, max_batch_size=max_batch_size,
-        prefill_max_batch_size=prefill_max_batch_size, prefill_max_tokens=prefill_max_tokens,
-        max_active_requests=max_active_requests, paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx,
-        stream_interval=stream_interval, tokenize_workers=tokenize_workers,
-        max_inflight_requests=max_inflight_requests)
+    config = o.from_params(o.engine_config, locals())
     err = Console(stderr=True)
     with startup_progress(err) as progress:
         engine = LLMEngine(config, progress=progress)

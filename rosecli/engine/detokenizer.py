@@ -105,9 +105,24 @@ def _byte_level_table(tokenizer) -> Optional[list]:
     return table
 
 
+_special_cache: "weakref.WeakKeyDictionary[object, frozenset[int]]" = weakref.WeakKeyDictionary()
+
+
 def _special_ids(tokenizer) -> frozenset[int]:
+    """Cached per tokenizer: building it costs about a millisecond, too much for every request."""
+    try:
+        return _special_cache[tokenizer]
+    except KeyError:
+        pass
     added = getattr(tokenizer, "added_tokens_decoder", {})
-    return frozenset(tokenizer.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
+    ids = frozenset(tokenizer.all_special_ids) | frozenset(i for i, t in added.items() if getattr(t, "special", False))
+    _special_cache[tokenizer] = ids
+    return ids
+
+
+def prepare(tokenizer) -> None:
+    """Build the per-tokenizer tables now (start-up), not when the first request streams."""
+    IncrementalDetokenizer(tokenizer)
 
 
 class IncrementalDetokenizer:

@@ -58,6 +58,9 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         self.startup_times: dict[str, float] = {"model_load_s": time.perf_counter() - t0}
         self.tokenizer = self.loaded.tokenizer
+        from rosecli.engine import detokenizer
+
+        detokenizer.prepare(self.tokenizer)  # its tables cost ~0.1 s: start-up pays, not the first request
         self.max_model_len = self.loaded.max_model_len
         self.runner = ModelRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
                                   self.stages, log)

@@ -13,26 +13,32 @@ def hf():
     return tiny_hf_model("llama", seed=11)
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def overlap(request):
+    """Every scheduling test runs with and without overlap scheduling (launch step N+1, then read step N)."""
+    return request.param
+
+
 def _prompts(lengths, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_preemption_keeps_outputs_identical(hf):
+def test_preemption_keeps_outputs_identical(hf, overlap):
     prompts = _prompts((3, 9, 14, 20, 7, 11, 25, 5), 1)
     refs = [hf_greedy(hf, p, 24) for p in prompts]
-    sched = tiny_scheduler(hf, block_size=4, num_gpu_blocks=24, max_batch_size=8)
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, num_gpu_blocks=24, max_batch_size=8)
     seqs = sched.run_to_completion(prompts, SamplingParams(max_new_tokens=24, stop_on_eos=False))
     assert sched.num_preemptions > 0, "the pool was meant to be too small for all requests at once"
     assert [s.output_token_ids for s in seqs] == refs
     assert sched.block_manager.num_free_blocks == 24
 
 
-def test_requests_join_and_leave_every_step(hf):
+def test_requests_join_and_leave_every_step(hf, overlap):
     prompts = _prompts((5, 6, 7, 8), 2)
     lengths = [3, 9, 1, 6]
     refs = [hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
-    sched = tiny_scheduler(hf, block_size=4)
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
     ids = [sched.add_request(prompts[0], SamplingParams(max_new_tokens=lengths[0], stop_on_eos=False))]
     finished, step = [], 0
     while sched.has_unfinished() or len(ids) < 4:
@@ -47,8 +53,8 @@ def test_requests_join_and_leave_every_step(hf):
     assert all(sched.seqs[i].finish_reason.value == "length" for i in ids)
 
 
-def test_chunked_prefill_interleaves_decode(hf):
-    sched = tiny_scheduler(hf, block_size=4, prefill_max_tokens=8)
+def test_chunked_prefill_interleaves_decode(hf, overlap):
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, prefill_max_tokens=8)
     short = sched.add_request(_prompts((3,), 3)[0], SamplingParams(max_new_tokens=50, stop_on_eos=False))
     sched.step()  # prefill the short one
     long_prompt = _prompts((40,), 4)[0]
@@ -60,12 +66,12 @@ def test_chunked_prefill_interleaves_decode(hf):
     assert all(produced[i] or produced[i + 1] for i in range(len(produced) - 1))
 
 
-def test_prefix_cache_hits_and_outputs_equal(hf):
+def test_prefix_cache_hits_and_outputs_equal(hf, overlap):
     shared = _prompts((20,), 5)[0]
     tails = _prompts((3, 9, 1), 6)
     prompts = [shared + t for t in tails] + [shared[:16], shared]
     refs = [hf_greedy(hf, p, 10) for p in prompts]
-    sched = tiny_scheduler(hf, block_size=4)
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
     params = SamplingParams(max_new_tokens=10, stop_on_eos=False)
     first = sched.run_to_completion([shared + [7]], params)
     seqs = sched.run_to_completion(prompts, params)
@@ -79,20 +85,20 @@ def test_prefix_cache_hits_and_outputs_equal(hf):
     assert first[0].num_cached_tokens == 0
 
 
-def test_no_prefix_cache_means_no_hits(hf):
+def test_no_prefix_cache_means_no_hits(hf, overlap):
     shared = _prompts((20,), 5)[0]
-    sched = tiny_scheduler(hf, block_size=4, enable_prefix_cache=False)
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, enable_prefix_cache=False)
     params = SamplingParams(max_new_tokens=3, stop_on_eos=False)
     sched.run_to_completion([shared], params)
     seqs = sched.run_to_completion([shared + [3]], params)
     assert seqs[0].num_cached_tokens == 0 and sched.block_manager.prefix_hit_tokens == 0
 
 
-def test_stop_on_eos_and_stop_token_ids(hf):
+def test_stop_on_eos_and_stop_token_ids(hf, overlap):
     prompt = _prompts((6,), 7)[0]
     ref = hf_greedy(hf, prompt, 12)
     eos = ref[4]
-    sched = tiny_scheduler(hf, block_size=4, eos=(eos,))
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, eos=(eos,))
     seq = sched.run_to_completion([prompt], SamplingParams(max_new_tokens=12))[0]
     assert seq.output_token_ids == ref[:ref.index(eos) + 1] and seq.finish_reason.value == "stop"
     seq = sched.run_to_completion([prompt], SamplingParams(max_new_tokens=12, stop_on_eos=False))[0]
@@ -102,15 +108,15 @@ def test_stop_on_eos_and_stop_token_ids(hf):
     assert seq.output_token_ids == ref[:ref.index(ref[2]) + 1]
 
 
-def test_stops_at_model_context(hf):
-    sched = tiny_scheduler(hf, block_size=4)
+def test_stops_at_model_context(hf, overlap):
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
     prompt = _prompts((250,), 8)[0]
     seq = sched.run_to_completion([prompt], SamplingParams(max_new_tokens=100, stop_on_eos=False))[0]
     assert len(seq.token_ids) == 256 and seq.finish_reason.value == "length"
 
 
-def test_bad_requests_are_refused_clearly(hf):
-    sched = tiny_scheduler(hf, block_size=4)
+def test_bad_requests_are_refused_clearly(hf, overlap):
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
     with pytest.raises(RequestError, match="empty"):
         sched.add_request([], SamplingParams())
     with pytest.raises(RequestError, match="context is 256"):
@@ -118,8 +124,8 @@ def test_bad_requests_are_refused_clearly(hf):
     assert not sched.has_unfinished()
 
 
-def test_discard_releases_blocks_at_once(hf):
-    sched = tiny_scheduler(hf, block_size=4)
+def test_discard_releases_blocks_at_once(hf, overlap):
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
     rid = sched.add_request(_prompts((30,), 9)[0], SamplingParams(max_new_tokens=50, stop_on_eos=False))
     sched.step()
     sched.step()

@@ -12,10 +12,10 @@ from rosecli.engine.streaming import END, StreamingManager
 GREEDY = dict(stop_on_eos=False)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_engine_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def engine(tiny_engine_factory, request):
     return tiny_engine_factory("tiny-llama", max_batch_size=64, prefill_max_batch_size=16, num_gpu_blocks=400,
-                               block_size=8)
+                               block_size=8, overlap_schedule=request.param)
 
 
 def _alone(engine, prompt_ids, n):

@@ -50,6 +50,9 @@ PagedAttn = Annotated[Optional[bool], typer.Option("--paged-attn/--no-paged-attn
                                                    rich_help_panel=ENGINE)]
 CudaGraph = Annotated[Optional[bool], typer.Option("--cuda-graph/--no-cuda-graph", help="Replay captured CUDA "
                                                    "graphs for decode (default on CUDA).", rich_help_panel=ENGINE)]
+OverlapSchedule = Annotated[Optional[bool], typer.Option("--overlap-schedule/--no-overlap-schedule", help="Prepare "
+                                                         "and launch decode step N+1 while the GPU runs step N "
+                                                         "(default on CUDA).", rich_help_panel=ENGINE)]
 Nvtx = Annotated[bool, typer.Option("--nvtx", help="NVTX ranges over engine stages (for Nsight Systems).",
                                     rich_help_panel=ENGINE)]
 StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush streamed text every N tokens "
@@ -89,7 +92,8 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
                   num_gpu_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
                   prefix_cache: bool = True, max_batch_size: int = 64, prefill_max_batch_size: int = 64,
                   prefill_max_tokens: int = 2048, max_active_requests: Optional[int] = None,
-                  paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None, nvtx: bool = False,
+                  paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None,
+                  overlap_schedule: Optional[bool] = None, nvtx: bool = False,
                   stream_interval: int = 1, tokenize_workers: int = 0,
                   max_inflight_requests: Optional[int] = None, cache_dir: Optional[str] = None,
                   cpu_weights: str = "int8", show_progress: bool = True) -> EngineConfig:
@@ -99,7 +103,7 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
         gpu_memory_utilization=gpu_memory_utilization, enable_prefix_cache=prefix_cache,
         max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
         prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
-        paged_attn=paged_attn, cuda_graph=cuda_graph, nvtx=nvtx, stream_interval=stream_interval,
+        paged_attn=paged_attn, cuda_graph=cuda_graph, overlap_schedule=overlap_schedule, nvtx=nvtx, stream_interval=stream_interval,
         tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
         cpu_weights=cpu_weights, show_progress=show_progress)
 

@@ -59,6 +59,7 @@ class EngineConfig:
     # Execution paths (None = on when the device is CUDA)
     paged_attn: Optional[bool] = None
     cuda_graph: Optional[bool] = None
+    overlap_schedule: Optional[bool] = None  # launch decode step N+1 before reading step N's tokens
     nvtx: bool = False
     # Streaming manager
     stream_interval: int = 1

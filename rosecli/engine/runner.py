@@ -1,9 +1,15 @@
 """The model runner: turns a scheduled batch into tensors, runs the model, samples.
 
-Decode writes the batch metadata into pinned host buffers (numpy views, no tensor built per
-step), copies them with ``non_blocking=True`` into static device buffers, and replays the CUDA
-graph captured for the batch's padded size. Sampled ids come back with one device-to-host
-copy per step. Prefill runs eagerly (variable shapes).
+Decode writes the batch metadata into one pinned host staging area (numpy views, no tensor
+built per step), copies it with one ``non_blocking=True`` copy into a static device buffer, and
+replays the CUDA graph captured for the batch's padded size. Sampled ids come back with one
+device-to-host copy per step. Prefill runs eagerly (variable shapes).
+
+A decode step is launched (`launch_decode`) and its sampled ids read later (`collect`), so the
+scheduler can prepare and launch step N+1 while the GPU still runs step N. A sequence whose last
+token is still `PENDING` (sampled by the step in flight) takes its input id on the device from
+that step's output row; the staging areas and the sampled-id buffers are double-buffered so the
+host never rewrites memory a copy still in flight reads.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from rosecli.engine.sampler import sample
-from rosecli.engine.sequence import Sequence
+from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
 
 CPU_DEFAULT_KV_TOKENS = 8192
@@ -40,6 +46,50 @@ class _DecodeGraph:
 
     def __init__(self, graph, logits, greedy):
         self.graph, self.logits, self.greedy = graph, logits, greedy
+
+
+class _Staging:
+    """One host (pinned on CUDA) staging area for a decode step's inputs and its numpy views.
+
+    Layout, bytes: int64 [token pool: sampled (mb) | host ids (mb)] [src (mb)] [positions (mb)]
+    [slots (mb)], then int32 [context_lens (mb)] [block_tables (mb x nb)]. Everything from the
+    host ids on is copied in one piece; block-table rows come last so a step copies only the
+    rows it uses. ``src[i]`` picks row i's input id from the token pool: a row of the previous
+    step's samples, or ``mb + i`` for the id the host wrote.
+    """
+
+    __slots__ = ("buf", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables",
+                 "row_version")
+
+    def __init__(self, buf: torch.Tensor, mb: int, nb: int):
+        self.buf = buf
+        i64 = buf[:40 * mb].view(torch.int64)
+        i32 = buf[40 * mb:].view(torch.int32)
+        self.tokens, self.src = i64[:2 * mb], i64[2 * mb:3 * mb]
+        self.host_ids = i64[mb:2 * mb]
+        self.positions, self.slots = i64[3 * mb:4 * mb], i64[4 * mb:5 * mb]
+        self.context_lens, self.block_tables = i32[:mb], i32[mb:].view(mb, nb)
+        self.row_version = [-1] * mb  # table_version of the block table each row holds
+
+    def numpy(self) -> "_Staging":
+        view = object.__new__(_Staging)
+        for name in ("tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables"):
+            setattr(view, name, getattr(self, name).numpy())
+        view.buf, view.row_version = self.buf, self.row_version
+        return view
+
+    @staticmethod
+    def nbytes(mb: int, nb: int) -> int:
+        return 40 * mb + 4 * mb + 4 * mb * nb
+
+
+class DecodeLaunch:
+    """A decode step launched on the device; `ModelRunner.collect` returns its sampled ids."""
+
+    __slots__ = ("seqs", "out", "event")
+
+    def __init__(self, seqs, out, event):
+        self.seqs, self.out, self.event = seqs, out, event
 
 
 class ModelRunner:
@@ -122,39 +172,31 @@ class ModelRunner:
     def _alloc_decode_buffers(self) -> None:
         mb, nb = self.max_batch_size, self.max_blocks_per_seq
         pin = self.is_cuda
-
-        def host(shape, dtype):
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
-        self.h_input_ids = host(mb, torch.long)
-        self.h_positions = host(mb, torch.long)
-        self.h_slots = host(mb, torch.long)
-        self.h_context_lens = host(mb, torch.int32)
-        self.h_block_tables = host((mb, nb), torch.int32)
-        self.h_sampled = host(max(mb, self.config.prefill_max_batch_size), torch.long)  # prefill samples too
-        self.np_input_ids = self.h_input_ids.numpy()
-        self.np_positions = self.h_positions.numpy()
-        self.np_slots = self.h_slots.numpy()
-        self.np_context_lens = self.h_context_lens.numpy()
-        self.np_block_tables = self.h_block_tables.numpy()
-        self.np_sampled = self.h_sampled.numpy()
+        nbytes = _Staging.nbytes(mb, nb)
+        # two host staging areas and two sampled-id buffers, alternating between steps (see module doc)
+        self._host_staging = [_Staging(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin), mb, nb)
+                              for _ in range(2)]
+        self._np_staging = [st.numpy() for st in self._host_staging]
+        samples = max(mb, self.config.prefill_max_batch_size)  # prefill samples too
+        self.h_sampled = [torch.zeros(samples, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.np_sampled = [t.numpy() for t in self.h_sampled]
         if self.is_cuda:
-            dev = self.device
-            self.d_input_ids = torch.zeros(mb, dtype=torch.long, device=dev)
-            self.d_positions = torch.zeros(mb, dtype=torch.long, device=dev)
-            self.d_slots = torch.zeros(mb, dtype=torch.long, device=dev)
-            self.d_context_lens = torch.zeros(mb, dtype=torch.int32, device=dev)
-            self.d_block_tables = torch.zeros((mb, nb), dtype=torch.int32, device=dev)
-        else:
-            self.d_input_ids, self.d_positions, self.d_slots = self.h_input_ids, self.h_positions, self.h_slots
-            self.d_context_lens, self.d_block_tables = self.h_context_lens, self.h_block_tables
+            self.dev_staging = _Staging(torch.zeros(nbytes, dtype=torch.uint8, device=self.device), mb, nb)
+            self._events = [torch.cuda.Event() for _ in range(2)]
+        else:  # the CPU reads the staging area in place
+            self.dev_staging = self._host_staging[0]
+            self._host_staging[1] = self._host_staging[0]
+            self._np_staging[1] = self._np_staging[0]
+            self._events = [None, None]
+        self._flip = 0  # which staging area / sampled buffer the next launch uses
+        self._launches = 0  # decode launches so far (a PENDING input must come from the last one)
         self._decode_meta: dict[int, AttentionMetadata] = {}
-        self._row_version = [-1] * mb  # table_version of the block table each staging row holds
 
     def _meta_for(self, batch: int, max_context_len: int) -> AttentionMetadata:
+        d = self.dev_staging
         return AttentionMetadata(
-            is_prefill=False, slot_mapping=self.d_slots[:batch], block_tables=self.d_block_tables[:batch],
-            context_lens=self.d_context_lens[:batch], max_context_len=max_context_len,
+            is_prefill=False, slot_mapping=d.slots[:batch], block_tables=d.block_tables[:batch],
+            context_lens=d.context_lens[:batch], max_context_len=max_context_len,
             use_triton=self.use_triton)
 
     # --- start-up ---------------------------------------------------------------------------
@@ -197,12 +239,10 @@ class ModelRunner:
         pool = None
         sizes = sorted(self.graph_sizes, reverse=True)
         n = self.max_batch_size
-        self.np_input_ids[:n] = 0
-        self.np_positions[:n] = 0
-        self.np_slots[:n] = -1
-        self.np_context_lens[:n] = 1
-        self.np_block_tables[:n] = 0
-        self._copy_decode_inputs(n)
+        for st in self._np_staging:
+            self._pad_rows(st, 0, n)
+            st.block_tables[:n] = 0
+        self._copy_decode_inputs(self._host_staging[0], n)
         for done, batch in enumerate(sizes):
             meta = self._meta_for(batch, self.max_model_len)
             self._decode_meta[batch] = meta
@@ -222,18 +262,30 @@ class ModelRunner:
     def _decode_forward(self, batch: int, meta: AttentionMetadata):
         if not meta.use_triton:  # inside the captured graph: the block tables change every step
             meta = with_decode_gather(meta, self.block_size, self.dtype)
-        hidden = self.model(self.d_input_ids[:batch], self.d_positions[:batch], meta)
+        d = self.dev_staging
+        input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
+        hidden = self.model(input_ids, d.positions[:batch], meta)
         logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        greedy = logits.argmax(dim=-1)
+        d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
+        return logits, greedy
 
-    def _copy_decode_inputs(self, rows: int) -> None:
+    def _copy_decode_inputs(self, staging: _Staging, rows: int) -> None:
+        """One host-to-device copy: host ids through the first ``rows`` block-table rows."""
         if not self.is_cuda:
             return
-        self.d_input_ids[:rows].copy_(self.h_input_ids[:rows], non_blocking=True)
-        self.d_positions[:rows].copy_(self.h_positions[:rows], non_blocking=True)
-        self.d_slots[:rows].copy_(self.h_slots[:rows], non_blocking=True)
-        self.d_context_lens[:rows].copy_(self.h_context_lens[:rows], non_blocking=True)
-        self.d_block_tables[:rows].copy_(self.h_block_tables[:rows], non_blocking=True)
+        mb, nb = self.max_batch_size, self.max_blocks_per_seq
+        start, end = 8 * mb, 44 * mb + 4 * rows * nb
+        self.dev_staging.buf[start:end].copy_(staging.buf[start:end], non_blocking=True)
+
+    def _pad_rows(self, st: _Staging, start: int, end: int) -> None:
+        """Padding rows of a graph's batch: a dummy token, no KV store, a one-token context."""
+        mb = self.max_batch_size
+        st.src[start:end] = np.arange(mb + start, mb + end)
+        st.host_ids[start:end] = 0
+        st.positions[start:end] = 0
+        st.slots[start:end] = -1
+        st.context_lens[start:end] = 1
 
     def padded_batch(self, batch: int) -> int:
         for size in self.graph_sizes:
@@ -247,26 +299,46 @@ class ModelRunner:
         token sampled for every sequence whose computation reached its end (None otherwise)."""
         if is_prefill:
             return self._execute_prefill(seqs, num_new_tokens)
-        return self._execute_decode(seqs)
+        return self.collect(self.launch_decode(seqs))
 
-    def _execute_decode(self, seqs: list[Sequence]) -> list[Optional[int]]:
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence]) -> DecodeLaunch:
+        """Launch one decode step (one new token for each sequence) without waiting for it.
+
+        A sequence whose last token is `PENDING` must have been in the previous launch; its input
+        id is that launch's sample, read on the device."""
         stages = self.stages
         batch = len(seqs)
         if batch > self.max_batch_size:
             raise ValueError(f"decode batch {batch} exceeds max_batch_size {self.max_batch_size}")
         graph = self.graphs.get(self.padded_batch(batch)) if self.graphs else None
         rows = self.padded_batch(batch) if graph is not None else batch
+        flip = self._flip
+        self._flip ^= 1
+        host = self._host_staging[flip]
         bs = self.block_size
+        mb = self.max_batch_size
+        last = self._launches
+        self._launches = launch_no = last + 1
         with stages.range("prepare_inputs", batch):
-            ids, pos, slots, ctx, bt = (self.np_input_ids, self.np_positions, self.np_slots,
-                                        self.np_context_lens, self.np_block_tables)
+            st = self._np_staging[flip]
+            src, ids, pos, slots, ctx, bt = st.src, st.host_ids, st.positions, st.slots, st.context_lens, st.block_tables
             max_ctx = 1
-            row_version = self._row_version
+            row_version = st.row_version
             for i, s in enumerate(seqs):
-                n = len(s.token_ids)
+                tokens = s.token_ids
+                n = len(tokens)
                 p = n - 1
+                tok = tokens[p]
+                if tok == PENDING:
+                    if s.launch_no != last:
+                        raise RuntimeError(f"request {s.request_id}: its pending token is not from the last step")
+                    src[i] = s.launch_row
+                else:
+                    src[i] = mb + i
+                    ids[i] = tok
+                s.launch_no, s.launch_row = launch_no, i
                 table = s.block_table
-                ids[i] = s.token_ids[p]
                 pos[i] = p
                 slots[i] = table[p // bs] * bs + p % bs
                 ctx[i] = n
@@ -276,19 +348,44 @@ class ModelRunner:
                 if n > max_ctx:
                     max_ctx = n
             if rows > batch:
-                ids[batch:rows] = 0
-                pos[batch:rows] = 0
-                slots[batch:rows] = -1
-                ctx[batch:rows] = 1
+                self._pad_rows(st, batch, rows)
         with stages.range("h2d_copy", rows):
-            self._copy_decode_inputs(rows)
+            self._copy_decode_inputs(host, rows)
         with stages.range("decode_forward", rows):
             if graph is not None:
                 graph.graph.replay()
                 logits, greedy = graph.logits[:batch], graph.greedy[:batch]
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
-        return self._sample_and_fetch(seqs, logits, greedy)
+        with stages.range("sampling", batch):
+            ids_dev = self._sample(seqs, logits, greedy)
+            if ids_dev is not greedy:
+                self.dev_staging.tokens[:batch].copy_(ids_dev)
+        return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
+
+    def collect(self, launch: DecodeLaunch) -> list[int]:
+        """Wait for a launched decode step and return its sampled ids, one per sequence."""
+        with self.stages.range("d2h_copy", len(launch.seqs)):
+            if launch.event is not None:
+                launch.event.synchronize()
+            return launch.out[:len(launch.seqs)].tolist()
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor]) -> torch.Tensor:
+        if all(s.params.temperature == 0.0 or s.params.top_k == 1 for s in seqs):
+            return greedy if greedy is not None else logits.argmax(dim=-1)
+        return sample(logits, [s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
+                      [s.params.top_p for s in seqs], [self._generator_for(s) for s in seqs], self.generator)
+
+    def _fetch(self, ids: torch.Tensor, batch: int, flip: int):
+        """Start the device-to-host copy of sampled ids; returns (numpy view, event or None)."""
+        if not self.is_cuda:
+            out = self.np_sampled[flip]
+            out[:batch] = ids.numpy()
+            return out, None
+        self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
+        event = self._events[flip]
+        event.record()
+        return self.np_sampled[flip], event
 
     def _execute_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Optional[int]]:
         stages = self.stages
@@ -336,27 +433,15 @@ class ModelRunner:
                 return out
             rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        sampled = self._sample_and_fetch([seqs[i] for i in sample_idx], logits, None)
+        picked = [seqs[i] for i in sample_idx]
+        with self.stages.range("sampling", len(picked)):
+            ids = self._sample(picked, logits, None)
+        flip = self._flip
+        self._flip ^= 1
+        sampled = self.collect(DecodeLaunch(picked, *self._fetch(ids, len(picked), flip)))
         for i, tok in zip(sample_idx, sampled):
             out[i] = tok
         return out
-
-    def _sample_and_fetch(self, seqs: list[Sequence], logits: torch.Tensor,
-                          greedy: Optional[torch.Tensor]) -> list[int]:
-        batch = len(seqs)
-        with self.stages.range("sampling", batch):
-            if all(s.params.temperature == 0.0 or s.params.top_k == 1 for s in seqs):
-                ids = greedy if greedy is not None else logits.argmax(dim=-1)
-            else:
-                ids = sample(logits, [s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
-                             [s.params.top_p for s in seqs], [self._generator_for(s) for s in seqs],
-                             self.generator)
-        with self.stages.range("d2h_copy", batch):
-            if self.is_cuda:
-                self.h_sampled[:batch].copy_(ids, non_blocking=True)
-                torch.cuda.current_stream(self.device).synchronize()
-                return self.np_sampled[:batch].tolist()
-            return ids.tolist()
 
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
         if seq.params.seed is None:

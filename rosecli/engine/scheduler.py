@@ -12,6 +12,14 @@ Policy (stated here and kept):
 - When a decode step needs a KV block and none is free, the most recently admitted request is
   preempted: its blocks are freed and it waits at the head of the queue to be recomputed
   (prompt plus the tokens it already produced; nothing a user received is dropped or repeated).
+
+Overlap (``--overlap-schedule``, on by default on CUDA): while decode step N runs on the GPU,
+``step()`` schedules and launches step N+1 (each sequence's new token is `PENDING` on the host
+and read from step N's output on the device), and only then reads step N's tokens, checks
+stops and returns them. So ``step()`` returns the tokens of the decode step launched by the
+call before it. A sequence whose length limit ends it at step N is left out of step N+1; one
+that stops on EOS or a stop string at step N has its step-N+1 token dropped. Prefill steps and
+preemption never overlap: the step in flight is read first.
 """
 
 from __future__ import annotations
@@ -23,8 +31,8 @@ from typing import Callable, Optional, Union
 from rosecli.engine.block_manager import BlockManager
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import RequestError
-from rosecli.engine.runner import ModelRunner
-from rosecli.engine.sequence import FinishReason, Sequence, SequenceStatus
+from rosecli.engine.runner import DecodeLaunch, ModelRunner
+from rosecli.engine.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 from rosecli.engine.stages import Stages
 
 
@@ -51,6 +59,9 @@ class Scheduler:
         self._last_was_prefill = False
         self.last_step_kind = "idle"  # "prefill" | "decode" | "idle": what the last step() ran
         self._rr = 0
+        overlap = config.overlap_schedule
+        self.overlap = runner.is_cuda if overlap is None else bool(overlap)
+        self._inflight: Optional[DecodeLaunch] = None  # decode step launched, tokens not read yet
         self.num_preemptions = 0
         self.finish_counts: dict[str, int] = {}
 
@@ -91,6 +102,7 @@ class Scheduler:
         return request_id
 
     def has_unfinished(self) -> bool:
+        # a step in flight holding only finished sequences needs no reading: their tokens are dropped
         return bool(self.waiting or self.prefilling or self.running)
 
     def is_finished(self, request_id: int) -> bool:
@@ -124,8 +136,11 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> dict[int, int]:
-        """Run one prefill or decode step; return the token each request produced in it."""
+        """Run one prefill or decode step; return the token each request produced in it (with
+        overlap, a decode step's tokens come back from the next call)."""
         with self.stages.range("scheduler_step"):
+            if self._inflight is not None:
+                return self._step_overlapped()
             can_prefill = bool(self.prefilling or self.waiting)
             if can_prefill and not (self._last_was_prefill and self.running):
                 with self.stages.range("prefill_admission"):
@@ -135,12 +150,34 @@ class Scheduler:
                     self.last_step_kind = "prefill"
                     return self._run(batch, chunks, is_prefill=True)
             self._last_was_prefill = False
-            batch = self._schedule_decode()
+            batch = self._schedule_decode(allow_preempt=True)
             if not batch:
                 self.last_step_kind = "idle"
                 return {}
             self.last_step_kind = "decode"
-            return self._run(batch, [1] * len(batch), is_prefill=False)
+            launch = self._launch_decode(batch)
+            if self.overlap and not self._prefill_due():  # the next step can launch behind this one
+                self._inflight = launch
+                return {}
+            return self._read_decode(launch)
+
+    def _step_overlapped(self) -> dict[int, int]:
+        """Launch the next decode step if nothing else is due, then read the one in flight."""
+        inflight, self._inflight = self._inflight, None
+        if not self._prefill_due():
+            batch = self._schedule_decode(allow_preempt=False)
+            if batch:
+                self._inflight = self._launch_decode(batch)
+        self.last_step_kind = "decode"
+        return self._read_decode(inflight)
+
+    def _prefill_due(self) -> bool:
+        """Whether the next step would be a prefill (the admission test without admitting)."""
+        if self.prefilling:
+            return True
+        if not self.waiting or len(self.running) >= self.max_active:
+            return False
+        return self.block_manager.can_allocate(self.waiting[0])
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
         cfg = self.config
@@ -174,7 +211,9 @@ class Scheduler:
             budget -= n
         return batch, chunks
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self, allow_preempt: bool) -> Optional[list[Sequence]]:
+        """The next decode batch, with a slot for each new token. Without ``allow_preempt``
+        (a step is in flight), returns None when a sequence would need a block none is free for."""
         running = self.running
         if not running:
             return []
@@ -189,9 +228,11 @@ class Scheduler:
         bs = self.config.block_size
         scheduled: list[Sequence] = []
         for seq in batch:
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING or self._at_length_limit(seq):
                 continue
             if len(seq.block_table) * bs < len(seq.token_ids):  # the new token starts a block
+                if not allow_preempt and not bm.can_append(seq):
+                    return None
                 while not bm.can_append(seq):
                     victim = self._newest_admitted()
                     self._preempt(victim)
@@ -203,6 +244,11 @@ class Scheduler:
             else:
                 scheduled.append(seq)
         return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        """Its last token (pending in the step in flight) is the last it may have."""
+        return (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_new_tokens
+                or len(seq.token_ids) >= self.max_model_len)
 
     def _newest_admitted(self) -> Sequence:
         candidates = self.running + self.prefilling
@@ -236,16 +282,49 @@ class Scheduler:
                 self.prefilling.remove(seq)
                 self.running.append(seq)
             seq.token_ids.append(token)
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-            out[seq.request_id] = token
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                seq.finished_at = now
-                self._finish(seq, reason)
+            self._accept(seq, token, len(seq.token_ids), now, out)
         return out
 
-    def _check_stop(self, seq: Sequence, token: int) -> Optional[FinishReason]:
+    def _launch_decode(self, batch: list[Sequence]) -> DecodeLaunch:
+        launch = self.runner.launch_decode(batch)
+        for seq in batch:
+            seq.token_ids.append(PENDING)
+        return launch
+
+    def _read_decode(self, launch: DecodeLaunch) -> dict[int, int]:
+        """Fill in a launched decode step's tokens; a sequence that finished meanwhile (a stop in
+        the step before, or discarded) drops its token."""
+        sampled = self.runner.collect(launch)
+        now = self.clock()
+        out: dict[int, int] = {}
+        bm = self.block_manager
+        bs = self.config.block_size
+        cache = bm.enable_prefix_cache
+        running = SequenceStatus.RUNNING
+        for seq, token in zip(launch.seqs, sampled):
+            if seq.status is not running:
+                continue
+            tokens = seq.token_ids
+            index = tokens.index(PENDING, seq.num_computed_tokens)  # the oldest pending token is this step's
+            tokens[index] = token
+            seq.num_computed_tokens += 1
+            if cache and seq.num_computed_tokens % bs == 0:
+                bm.commit_full_blocks(seq)
+            self._accept(seq, token, index + 1, now, out)
+        return out
+
+    def _accept(self, seq: Sequence, token: int, length: int, now: float, out: dict[int, int]) -> None:
+        """Record a sampled token (the sequence's first ``length`` tokens are now known) and stop
+        the sequence if it ends there."""
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        out[seq.request_id] = token
+        reason = self._check_stop(seq, token, length)
+        if reason is not None:
+            seq.finished_at = now
+            self._finish(seq, reason)
+
+    def _check_stop(self, seq: Sequence, token: int, length: int) -> Optional[FinishReason]:
         p = seq.params
         if p.stop_on_eos and token in self.eos_token_ids:
             return FinishReason.STOP
@@ -261,12 +340,14 @@ class Scheduler:
                 seq.final_text = text[:min(hits)]
                 seq.stop_text = text[min(hits):]
                 return FinishReason.STOP
-        if seq.num_output_tokens >= p.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= p.max_new_tokens or length >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, announce: bool = True) -> None:
         seq.status = SequenceStatus.FINISHED
+        while seq.token_ids and seq.token_ids[-1] == PENDING:  # its step in flight is dropped
+            seq.token_ids.pop()
         seq.finish_reason = reason
         if seq.detokenizer is not None and seq.final_text is None:
             seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()

@@ -8,6 +8,11 @@ from typing import Optional
 from rosecli.engine.config import SamplingParams
 
 
+# In `Sequence.token_ids`: a token that a launched decode step is sampling and the scheduler has
+# not read back yet (overlap scheduling); never a real token id, never seen outside the engine.
+PENDING = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -31,7 +36,7 @@ class Sequence:
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
                  "status", "finish_reason", "arrival_index", "stop_text", "num_preemptions",
                  "detokenizer", "final_text", "admitted_at", "first_token_at", "finished_at",
-                 "table_version")
+                 "table_version", "launch_no", "launch_row")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -41,6 +46,8 @@ class Sequence:
         self.params = params
         self.block_table: list[int] = []
         self.table_version = 0  # globally unique stamp of the block table's contents (runner caches rows by it)
+        self.launch_no = 0  # the runner's last decode launch that included this sequence, and its row there
+        self.launch_row = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_hashed_blocks = 0

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the lent GPU machine from the repo root: GPU tests, kernel and decode benchmarks,
 # then the BENCHMARKS.md workloads. Writes logs under $OUT (or ./gpu-out). Usage:
-#   bash scripts/gpu_suite.sh [tests] [kernels] [decode] [workloads] [profile] [serve]
+#   bash scripts/gpu_suite.sh [tests] [gpu-tests] [ab] [kernels] [decode] [workloads] [profile] [serve]
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -18,6 +18,8 @@ for step in $steps; do
   echo "=== $step ==="
   case $step in
     tests) python3 -m pytest -q -x tests/test_kernels.py tests/test_cuda_graph.py 2>&1 | tail -15 ;;
+    gpu-tests) python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_cuda_graph.py 2>&1 | tail -15 ;;
+    ab) bash scripts/ab_workloads.sh 2>&1 | tee "$OUT/ab.txt" ;;
     sweep) python3 scripts/bench_kernels.py --sweep 2>&1 | tee "$OUT/sweep.txt" ;;
     kernels) python3 scripts/bench_kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.txt" ;;
     decode) python3 scripts/bench_decode.py --batch-sizes 1 64 --new-tokens 256 --out "$OUT/decode.json" 2>&1 | grep -v '^\[transformers' | tail -9 | tee "$OUT/decode.txt" ;;

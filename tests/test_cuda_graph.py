@@ -16,13 +16,13 @@ def test_bucket_sizes():
     assert graph_batch_sizes(3) == [1, 2, 3]
 
 
-def _scheduler(kind: str, graphs: bool, max_batch: int = 24):
+def _scheduler(kind: str, graphs: bool, max_batch: int = 24, overlap=None):
     from engine_utils import our_model, tiny_hf_model
 
     hf = tiny_hf_model(kind, seed=21, vocab=512)
     model = our_model(hf).to("cuda", torch.float16)
     config = EngineConfig(device="cuda", max_batch_size=max_batch, cuda_graph=graphs, paged_attn=True,
-                          num_gpu_blocks=512, block_size=16)
+                          num_gpu_blocks=512, block_size=16, overlap_schedule=overlap)
     runner = ModelRunner(config, model, 256, torch.device("cuda"), torch.float16)
     runner.prepare()
     return Scheduler(config, runner, None, [1], 256)
@@ -36,8 +36,9 @@ def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
     prompts = [torch.randint(2, 500, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (19,), generator=g)]
     lengths = [int(n) for n in torch.randint(1, 60, (19,), generator=g)]
     outs = {}
-    for graphs in (False, True):
-        sched = _scheduler(kind, graphs)
+    # eager and synchronous, graphs and synchronous, graphs with overlap scheduling
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        sched = _scheduler(kind, graphs, overlap=overlap)
         ids, done, step = [], 0, 0
         while len(ids) < len(prompts) or sched.has_unfinished():
             if len(ids) < len(prompts) and step % 3 == 0:  # staggered arrivals
@@ -48,10 +49,11 @@ def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
                                                                                 stop_on_eos=False)))
             sched.step()
             step += 1
-        outs[graphs] = [sched.seqs[i].output_token_ids for i in ids]
+        outs[graphs, overlap] = [sched.seqs[i].output_token_ids for i in ids]
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         sched.runner.close()
-    assert outs[True] == outs[False]
+    assert outs[True, False] == outs[False, False]
+    assert outs[True, True] == outs[False, False]
 
 
 @pytest.mark.gpu

@@ -3,12 +3,12 @@
 # (default .base, e.g. `git archive <commit> | tar -x -C .base`) and from this checkout, back to
 # back, then `rose bench compare` on each pair. Extra arguments go to every "after" command
 # (e.g. --no-overlap-schedule). Results under $OUT (default ./gpu-out).
-#   bash scripts/ab_workloads.sh [--base DIR] [--only "W4 W3 W1"] [extra after-args...]
+#   bash scripts/ab_workloads.sh [--base DIR] [--after DIR] [--only "W4 W3 W1"] [extra after-args...]
 set -uo pipefail
-OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
-base=.base; only="W4 W3 W1"
+OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
+base=.base; after=.; only="W4 W3 W1"
 while [ $# -gt 0 ]; do
-  case $1 in --base) base=$2; shift 2 ;; --only) only=$2; shift 2 ;; *) break ;; esac
+  case $1 in --base) base=$2; shift 2 ;; --after) after=$2; shift 2 ;; --only) only=$2; shift 2 ;; *) break ;; esac
 done
 extra=("$@")
 common="--load-format dummy --device cuda --prompt Hello"
@@ -20,7 +20,7 @@ declare -A W=(
 for w in $only; do
   echo "### $w before ($base)"
   (cd "$base" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m rosecli bench ${W[$w]} --save-result "$OUT/${w}_before.json" | tail -4)
-  echo "### $w after ${extra[*]}"
-  python3 -m rosecli bench ${W[$w]} "${extra[@]}" --save-result "$OUT/${w}_after.json" | tail -4
+  echo "### $w after ($after) ${extra[*]}"
+  (cd "$after" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m rosecli bench ${W[$w]} "${extra[@]}" --save-result "$OUT/${w}_after.json" | tail -4)
   python3 -m rosecli bench compare "$OUT/${w}_before.json" "$OUT/${w}_after.json" | tail -14
 done

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
-from rosecli.engine.models.common import check_all_loaded, copy_weight
+from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
+                                           linear_gelu)
 
 
 class GPT2Block(nn.Module):
@@ -27,10 +28,15 @@ class GPT2Block(nn.Module):
         self.attn = Attention(heads, heads, self.head_dim, self.head_dim ** -0.5)
         self.d = d
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(self.ln_1(x)).split(self.d, dim=-1)
-        x = x + self.attn_proj(self.attn(q, k, v, meta))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, x_bias: Optional[torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream."""
+        h, residual = add_norm(self.ln_1, x, residual, x_bias)
+        q, k, v = self.c_attn(h).split(self.d, dim=-1)
+        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta))
+        h, residual = add_norm(self.ln_2, a, residual, a_bias)
+        x, x_bias = linear_deferring_bias(self.mlp_proj, linear_gelu(self.c_fc, h))
+        return x, residual, x_bias
 
 
 class GPT2ForCausalLM(nn.Module):
@@ -52,10 +58,10 @@ class GPT2ForCausalLM(nn.Module):
         return [blk.attn for blk in self.h]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
+        x, residual, x_bias = self.wte(input_ids), self.wpe(positions), None  # ln_1 adds the two
         for blk in self.h:
-            x = blk(x, meta)
-        return self.ln_f(x)
+            x, residual, x_bias = blk(x, residual, x_bias, meta)
+        return add_norm(self.ln_f, x, residual, x_bias)[0]
 
     def output_embedding(self) -> torch.Tensor:
         return self.wte.weight

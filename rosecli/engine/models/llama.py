@@ -5,7 +5,7 @@ Hugging Face weight names; q/k/v and gate/up are fused into one matrix each at l
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,8 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.errors import ModelLoadError
-from rosecli.engine.models.common import RMSNorm, RotaryEmbedding, apply_rotary, check_all_loaded, copy_weight
+from rosecli.engine.models.common import (RMSNorm, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
+                                           copy_weight, silu_mul)
 
 
 def _head_dim(cfg) -> int:
@@ -47,17 +48,19 @@ class LlamaLayer(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """rope: `RotaryEmbedding.tables` of this step's positions."""
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the last sublayer's output, not yet added to ``residual`` (None before the first layer);
+        rope: `RotaryEmbedding.tables` of this step's positions."""
         n = x.shape[0]
         qk_size = self.q_size + self.kv_size
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        h, residual = add_norm(self.input_layernorm, x, residual)
+        qkv = self.qkv_proj(h)
         # q and k sit side by side in qkv: one rotation covers both
         qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope).view(n, qk_size)
-        x = x + self.o_proj(self.attn(qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:], meta))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).view(n, 2, self.intermediate).unbind(1)
-        return x + self.down_proj(F.silu(gate) * up)
+        o = self.o_proj(self.attn(qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:], meta))
+        h, residual = add_norm(self.post_attention_layernorm, o, residual)
+        return self.down_proj(silu_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,11 +87,11 @@ class LlamaForCausalLM(nn.Module):
         return [layer.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.tables(positions)
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return add_norm(self.norm, x, residual)[0]
 
     def output_embedding(self) -> torch.Tensor:
         return self.embed_tokens.weight

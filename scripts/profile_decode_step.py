@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_decode_step.py needs a CUDA GPU")
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", device="cuda", show_progress=False,
+                                    cache_dir=os.environ.get("ROSE_CACHE_DIR"),
                                     max_batch_size=max(args.batch_sizes), enable_prefix_cache=False))
     sched, runner = engine.scheduler, engine.runner
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, model {args.model}, context {args.context}")

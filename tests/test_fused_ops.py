@@ -49,6 +49,7 @@ def test_activations_match_reference(device, dtype, tol, rows, width):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_fused_model_on_cuda_matches_hugging_face(kind):
+    """A whole forward with the fused kernels (as CUDA-graph decode runs them) against Hugging Face."""
     from engine_utils import our_model, tiny_hf_model
     from rosecli.engine.attention import AttentionMetadata
 
@@ -62,7 +63,7 @@ def test_fused_model_on_cuda_matches_hugging_face(kind):
     meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(n, device="cuda"),
                              block_tables=torch.arange(2, dtype=torch.int32, device="cuda")[None],
                              context_lens=torch.tensor([n], dtype=torch.int32, device="cuda"), max_context_len=n,
-                             use_triton=True, cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                             use_triton=True, fused_ops=True, cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
                              max_seqlen_q=n)
     with torch.inference_mode():
         ours = model.compute_logits(model(ids.cuda(), torch.arange(n, device="cuda"), meta)).cpu()

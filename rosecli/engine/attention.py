@@ -31,6 +31,10 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32, tokens in the cache for each sequence after this step
     max_context_len: int  # host-side upper bound of context_lens
     use_triton: bool = False  # Triton kernels (CUDA) or the torch references (gather + SDPA)
+    # Fused residual-add/norm and activation kernels (`models.common`): set for decode on CUDA, where a
+    # graph replays them and the kernel count bounds the step; eager prefill keeps torch's ops, whose
+    # launches cost the host less than Triton's
+    fused_ops: bool = False
     # Prefill only
     cu_seqlens_q: Optional[torch.Tensor] = None  # [B+1] int32
     max_seqlen_q: int = 0

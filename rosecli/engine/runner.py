@@ -197,7 +197,7 @@ class ModelRunner:
         return AttentionMetadata(
             is_prefill=False, slot_mapping=d.slots[:batch], block_tables=d.block_tables[:batch],
             context_lens=d.context_lens[:batch], max_context_len=max_context_len,
-            use_triton=self.use_triton)
+            use_triton=self.use_triton, fused_ops=self.use_graphs)
 
     # --- start-up ---------------------------------------------------------------------------
     def prepare(self, progress: Optional[Callable[[str, int, int], None]] = None) -> dict[str, float]:

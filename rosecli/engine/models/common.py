@@ -1,10 +1,11 @@
 """Pieces shared by the model files: norms, fused residual/bias/activation steps, rotary embedding,
 weight-loading helpers.
 
-On CUDA the residual add, a deferred linear bias and the following norm run as one Triton kernel
-(`rosecli.kernels.norm`), and the MLP activations as one (`rosecli.kernels.activation`); fewer
-kernels per layer is what bounds a small decode batch. Elsewhere the same steps run as the plain
-torch ops, in the same order as the unfused code, so CPU results are unchanged bit for bit.
+With ``fused`` (`AttentionMetadata.fused_ops`: CUDA-graph decode) the residual add, a deferred
+linear bias and the following norm run as one Triton kernel (`rosecli.kernels.norm`), and the MLP
+activations as one (`rosecli.kernels.activation`): fewer kernels per layer is what bounds a small
+decode batch. Otherwise the same steps run as plain torch ops, in the order of the unfused code,
+so CPU results are unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def add_norm(layer: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
+def add_norm(layer: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor], fused: bool,
              x_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = x (+ x_bias) (+ residual)``; returns ``(layer(s), s)`` for an `RMSNorm` or ``nn.LayerNorm``."""
-    if x.is_cuda:
+    if fused:
         rms = isinstance(layer, RMSNorm)
         return norm.add_norm(x, residual, layer.weight, None if rms else layer.bias, layer.eps, x_bias, rms)
     s = x if x_bias is None else x + x_bias
@@ -47,23 +48,24 @@ def add_norm(layer: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]
     return layer(s), s
 
 
-def linear_deferring_bias(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """On CUDA ``(x @ W^T, bias)``, the bias left for the next `add_norm`; elsewhere ``(linear(x), None)``."""
-    if x.is_cuda and isinstance(linear, nn.Linear) and linear.bias is not None:
+def linear_deferring_bias(linear: nn.Module, x: torch.Tensor,
+                          fused: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Fused: ``(x @ W^T, bias)``, the bias left for the next `add_norm`; else ``(linear(x), None)``."""
+    if fused and isinstance(linear, nn.Linear) and linear.bias is not None:
         return F.linear(x, linear.weight), linear.bias
     return linear(x), None
 
 
-def linear_gelu(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(linear(x))``; on CUDA the bias is added inside the activation kernel."""
-    if x.is_cuda and isinstance(linear, nn.Linear) and linear.bias is not None:
+def linear_gelu(linear: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``gelu_tanh(linear(x))``; fused, the bias is added inside the activation kernel."""
+    if fused and isinstance(linear, nn.Linear) and linear.bias is not None:
         return activation.bias_gelu(F.linear(x, linear.weight), linear.bias)
     return F.gelu(linear(x), approximate="tanh")
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     """``silu(gate) * up`` of a fused [N, 2F] gate/up projection."""
-    return activation.silu_mul(gate_up) if gate_up.is_cuda else activation.silu_mul_ref(gate_up)
+    return activation.silu_mul(gate_up) if fused else activation.silu_mul_ref(gate_up)
 
 
 class RotaryEmbedding(nn.Module):

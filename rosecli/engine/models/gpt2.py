@@ -31,11 +31,12 @@ class GPT2Block(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor, x_bias: Optional[torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream."""
-        h, residual = add_norm(self.ln_1, x, residual, x_bias)
+        fused = meta.fused_ops
+        h, residual = add_norm(self.ln_1, x, residual, fused, x_bias)
         q, k, v = self.c_attn(h).split(self.d, dim=-1)
-        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta))
-        h, residual = add_norm(self.ln_2, a, residual, a_bias)
-        x, x_bias = linear_deferring_bias(self.mlp_proj, linear_gelu(self.c_fc, h))
+        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta), fused)
+        h, residual = add_norm(self.ln_2, a, residual, fused, a_bias)
+        x, x_bias = linear_deferring_bias(self.mlp_proj, linear_gelu(self.c_fc, h, fused), fused)
         return x, residual, x_bias
 
 
@@ -61,7 +62,7 @@ class GPT2ForCausalLM(nn.Module):
         x, residual, x_bias = self.wte(input_ids), self.wpe(positions), None  # ln_1 adds the two
         for blk in self.h:
             x, residual, x_bias = blk(x, residual, x_bias, meta)
-        return add_norm(self.ln_f, x, residual, x_bias)[0]
+        return add_norm(self.ln_f, x, residual, meta.fused_ops, x_bias)[0]
 
     def output_embedding(self) -> torch.Tensor:
         return self.wte.weight

@@ -54,13 +54,14 @@ class LlamaLayer(nn.Module):
         rope: `RotaryEmbedding.tables` of this step's positions."""
         n = x.shape[0]
         qk_size = self.q_size + self.kv_size
-        h, residual = add_norm(self.input_layernorm, x, residual)
+        fused = meta.fused_ops
+        h, residual = add_norm(self.input_layernorm, x, residual, fused)
         qkv = self.qkv_proj(h)
         # q and k sit side by side in qkv: one rotation covers both
         qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope).view(n, qk_size)
         o = self.o_proj(self.attn(qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:], meta))
-        h, residual = add_norm(self.post_attention_layernorm, o, residual)
-        return self.down_proj(silu_mul(self.gate_up_proj(h))), residual
+        h, residual = add_norm(self.post_attention_layernorm, o, residual, fused)
+        return self.down_proj(silu_mul(self.gate_up_proj(h), fused)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions)
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
-        return add_norm(self.norm, x, residual)[0]
+        return add_norm(self.norm, x, residual, meta.fused_ops)[0]
 
     def output_embedding(self) -> torch.Tensor:
         return self.embed_tokens.weight

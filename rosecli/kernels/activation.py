@@ -23,7 +23,9 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _tanh(u):
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+    e = tl.exp(-2.0 * tl.abs(u))  # never overflows
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
 
 
 @triton.jit
@@ -45,7 +47,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
     col = offs % F_DIM
     g = tl.load(gu_ptr + row * 2 * F_DIM + col, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * F_DIM + F_DIM + col, mask=mask, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    e = tl.exp(-tl.abs(g))  # sigmoid without overflow
+    s = (g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -98,10 +98,40 @@ def test_paged_decode_padding_rows_with_zero_context(splits):
     assert _rel(out, ref) < TOL[torch.float32]
 
 
+# Launches the table or the sweep may pick: either grid order, more splits than a context has tiles,
+# tiles longer than a context, one split; all on ragged lengths (an empty row, a single token, block
+# and tile edges, many blocks).
+LAUNCH_VARIANTS = [dict(head_major=True, splits=1, tile=16),
+                   dict(head_major=True, splits=4, tile=32, num_warps=2),
+                   dict(head_major=False, splits=7, tile=16),
+                   dict(head_major=True, splits=3, tile=128, num_warps=8, num_stages=2)]
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+def test_paged_decode_launch_variants(launch, heads, kv_heads):
+    out, ref = _decode_case([1, 16, 0, 33, 130, 257], heads, kv_heads, 32, 16, torch.float32, seed=heads, **launch)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
+def test_paged_decode_head_major_float16_with_splits():
+    out, ref = _decode_case([200, 17, 64], 9, 3, 32, 16, torch.float16, seed=4, bound=1024, head_major=True)
+    assert _rel(out, ref) < TOL[torch.float16]
+
+
 def test_decode_split_table():
     assert launch_table.decode_splits(1, 12, 4096) > launch_table.decode_splits(64, 12, 4096) == 1
     assert launch_table.decode_splits(1, 12, 10) == 1  # a short bound never asks for empty splits
     assert all(launch_table.decode_splits(b, 3, 8192) >= 1 for b in (1, 7, 64, 1000))
+
+
+def test_decode_launch_table_rows_are_launchable():
+    bounds = [bound for bound, _ in launch_table.DECODE]
+    assert bounds == sorted(bounds) and bounds[-1] == float("inf")
+    for _, row in launch_table.DECODE:
+        assert row.splits >= 1 and row.min_split_tokens >= 1 and row.num_stages >= 1
+        assert row.tile >= 16 and row.tile & (row.tile - 1) == 0 and row.num_warps in (1, 2, 4, 8, 16)
+        assert launch_table.capped_splits(row, row.tile) == 1  # a bound of one tile is never split
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
@@ -175,6 +205,21 @@ def test_decode_gpu_realistic_shapes(dtype, batch, context, bound):
     for heads, kv_heads in ((12, 12), (9, 3)):
         out, ref = _decode_case(lens, heads, kv_heads, 64, 16, dtype, seed=batch, bound=bound)
         assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", [dict(head_major=True, splits=8, min_split_tokens=64, tile=64, num_warps=4,
+                                         num_stages=2),
+                                    dict(head_major=False, splits=2, tile=256, num_warps=8, num_stages=2),
+                                    dict(head_major=True, splits=1, tile=32, num_warps=2, num_stages=4),
+                                    dict(splits=3, use_dot=False, tile=64, num_warps=4)])
+def test_decode_gpu_launch_variants(launch):
+    """Compiled launches the sweep may pick, on realistic fp16 shapes with ragged lengths."""
+    lens = [max(1, 1500 - 97 * i) for i in range(16)]
+    for heads, kv_heads in ((12, 12), (9, 3)):
+        out, ref = _decode_case(lens, heads, kv_heads, 64, 16, torch.float16, seed=3, bound=4096, **launch)
+        assert _rel(out, ref) < TOL[torch.float16]
 
 
 @pytest.mark.gpu

@@ -2,32 +2,58 @@
 
 No `triton.autotune`: it cost 2.5% in a launch-dense path, and a captured CUDA graph needs the
 same launch every replay anyway. Every value here must be (re-)measured on the H100 with
-``python scripts/bench_kernels.py --sweep``, which prints rows in this file's form; each section
-says what has been measured and what is still a guess.
+``python scripts/bench_kernels.py --quick-sweep`` (decode) or ``--sweep`` (decode and prefill), which
+print rows in this file's form; each section says what has been measured and what is still a guess.
 """
 
 import math
+from typing import NamedTuple
 
 # --- paged decode -------------------------------------------------------------------------------
-# Measured on an H100 (torch 2.11, triton 3.6, fp16, head_dim 64, block 16) with the previous split
-# rule (splits = ceil(528 / (batch*kv_heads)), at least 256 tokens each, from the host bound):
-# tensor-core inner products won at every measured shape, MHA included (the group is padded to 16
-# rows; the kernel is bound by memory, not math); with batch*kv_heads >= 256 programs, 64-token
-# tiles and 2 warps won, with fewer, 128-token tiles and 4 warps. num_stages was Triton's default.
-#
-# Split count by batch*kv_heads: rows (largest batch*kv_heads the row covers, splits), first match
-# wins; about 512 programs whatever the batch (the measured ~528), so one sequence with a long
-# context still reads at full bandwidth, and a batch that fills the GPU alone is not split (no
-# merge kernel). Each sequence's real length is divided among the splits on the device, whole
-# multiples of DECODE_MIN_SPLIT_TOKENS, so a bound far above the real lengths (CUDA graphs pass
-# the model's maximum) still spreads the real work. NOT YET MEASURED in this form: re-sweep.
-# 2026-11-22 on the H100: with 128-token splits, B=1 ctx=1024 (GPT-2) took 59 us and SmolLM2 B=8 83 us,
-# against 13 us and 14 us in the sweep with splits of at least 256 tokens; back to the sweep's values.
-DECODE_SPLITS = ((4, 128), (8, 64), (16, 32), (32, 16), (64, 8), (256, 4), (512, 2), (math.inf, 1))
-DECODE_MIN_SPLIT_TOKENS = 256  # a split never covers fewer tokens (caps the split count for short bounds)
-# (tile tokens per inner iteration, num_warps, num_stages) by batch*kv_heads, first match wins.
-DECODE_TILE = ((128, (128, 4, 3)), (math.inf, (64, 2, 3)))
-DECODE_USE_DOT = True  # tensor-core inner products for MHA too (measured, see above)
+# One row per batch x kv heads (the programs a launch has before splitting): rows (largest
+# batch*kv_heads the row covers, DecodeLaunch), first match wins. The fields:
+#   splits            programs per (sequence, kv head), capped so no split covers less than
+#   min_split_tokens  (nor one tile) of the host bound; one split means no merge kernel. Each
+#                     sequence's *real* length is dealt out to the splits on the device a tile at a
+#                     time, so a bound far above the real lengths (CUDA graphs pass the model's
+#                     maximum) still spreads the real work
+#   tile              context tokens per inner iteration (several blocks, gathered per token)
+#   num_warps, num_stages
+#   head_major        launch order: the kv heads of one sequence side by side (they read neighbouring
+#                     128-byte rows of the same cache blocks) instead of one kv head of every sequence
+#   use_dot           tensor-core inner products (the GQA group padded to 16 rows) or vector ones
+# Measured on an H100 (torch 2.11, triton 3.6, fp16, head_dim 64, block 16) before this form, with
+# `triton.testing.do_bench`: tensor cores won at every shape, MHA included (the kernel is bound by
+# memory, not math); with batch*kv_heads >= 256 programs 64-token tiles and 2 warps won, with fewer
+# 128-token tiles and 4 warps; about 512 programs in all; splits of at least 256 tokens. A later try
+# with 128-token splits (B=1 ctx 1024 GPT-2: 59 us against 13 us) compared a table run with a sweep
+# run, not two configs in one run, and do_bench at these sizes can time host launch work (Python
+# falling behind the GPU); `bench_kernels.py` now times CUDA-graph replay too, and the sweep compares
+# configs in one process. Re-measure with
+# `python scripts/bench_kernels.py --quick-sweep`, which prints the rows below in this form.
+class DecodeLaunch(NamedTuple):
+    splits: int
+    min_split_tokens: int
+    tile: int
+    num_warps: int
+    num_stages: int
+    head_major: bool
+    use_dot: bool
+
+
+# Swept 2026-11-23 on an H100 (torch 2.11, triton 3.6) with `--quick-sweep` (CUDA-graph timing, scored
+# against SDPA over contexts 128/1024/4096): small batches split down to 64-token pieces; from 768
+# programs up, one split in head-major order. With these rows ours/SDPA (graph time) is 0.80-0.99x at
+# B=1 and B=8 except GPT-2 B=8 ctx >= 1024 (1.04-1.12x), and 1.02-1.19x at B >= 64 ctx >= 1024 while
+# reading 87-100% of the 2,975 GB/s copy ceiling (GPT-2 B=64 ctx 1024: 95.4%); docs/kernels.md has the table.
+#           batch*kv_heads   splits, min_split_tokens, tile, num_warps, num_stages, head_major, use_dot
+DECODE = ((3, DecodeLaunch(32, 64, 128, 4, 3, False, True)),  # smollm2 B=1
+          (12, DecodeLaunch(32, 64, 128, 4, 3, False, True)),  # gpt2 B=1
+          (24, DecodeLaunch(16, 64, 128, 4, 3, False, True)),  # smollm2 B=8
+          (96, DecodeLaunch(4, 256, 128, 4, 4, False, True)),  # gpt2 B=8
+          (192, DecodeLaunch(4, 256, 64, 2, 3, False, True)),  # smollm2 B=64
+          (768, DecodeLaunch(1, 256, 64, 2, 3, True, True)),  # gpt2 B=64, smollm2 B=256
+          (math.inf, DecodeLaunch(1, 256, 64, 2, 3, True, True)))  # gpt2 B=256
 
 # --- paged prefill ------------------------------------------------------------------------------
 # (block_m, block_n, num_warps, num_stages) by the longest query run of the batch: rows (largest
@@ -49,7 +75,11 @@ def lookup(rows, key):
     raise ValueError(f"no launch-table row covers {key}")
 
 
+def capped_splits(row: DecodeLaunch, max_context_len: int) -> int:
+    """``row``'s split count, capped so no split covers less than its minimum (nor one tile) of the bound."""
+    return max(1, min(row.splits, math.ceil(max_context_len / max(row.min_split_tokens, row.tile))))
+
+
 def decode_splits(batch: int, kv_heads: int, max_context_len: int) -> int:
-    """Splits for a decode launch: the table's count, capped so no split is shorter than the minimum."""
-    return max(1, min(lookup(DECODE_SPLITS, batch * kv_heads),
-                      math.ceil(max_context_len / DECODE_MIN_SPLIT_TOKENS)))
+    """Splits for a decode launch: the table's count for the shape, capped by the context bound."""
+    return capped_splits(lookup(DECODE, batch * kv_heads), max_context_len)

@@ -1,15 +1,19 @@
 """Paged decode attention: one query token per sequence against its cached blocks.
 
-Triton kernel (flash-decoding): the grid is (sequence, kv head, split). Each program takes all
-query heads that share one kv head (a GQA group), so each K/V tile is read once for the group,
-walks its share of the context ``TILE`` tokens at a time (several blocks per tile, gathered
-through the block table) with an online softmax in float32, and writes either the output (one
-split) or a partial result and its log-sum-exp; a second kernel merges the splits.
+Triton kernel (flash-decoding): one program per (sequence, kv head, split), launched either
+sequence-major or with the kv heads of one sequence side by side (``head_major``: they read
+neighbouring 128-byte rows of the same cache blocks). Each program takes all query heads that
+share one kv head (a GQA group), so each K/V tile is read once for the group, walks its share of
+the context ``TILE`` tokens at a time (several blocks per tile, gathered through the block table)
+with an online softmax in float32, and writes either the output (one split) or a partial result
+and its log-sum-exp; a second kernel merges the splits.
 
-The split count comes from the launch table by batch x kv heads (capped by the context bound);
-each sequence's real length is divided among the splits on the device. So the launch depends on
-host-side shapes only (CUDA-graph capturable, no sync), and under a graph, where the bound is the
-model's maximum, a short context still spreads over the splits instead of landing in the first.
+The launch comes from the launch table by batch x kv heads (the split count capped by the context
+bound); each sequence's real length is divided among the splits on the device, tile by tile in
+turn. So the launch depends on host-side shapes only (CUDA-graph capturable, no sync), and under a
+graph, where the bound is the model's maximum, a short context still spreads over the splits
+instead of landing in the first. kv heads and group size are runtime arguments, so shapes that
+differ only there share one compiled kernel.
 """
 
 import math
@@ -54,30 +58,32 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                   max_context_len: int) -> dict:
     """The fixed launch parameters for a shape (see `launch_table`)."""
-    tile, num_warps, num_stages = launch_table.lookup(launch_table.DECODE_TILE, batch * kv_heads)
-    return {"splits": launch_table.decode_splits(batch, kv_heads, max_context_len), "tile": tile,
-            "num_warps": num_warps, "num_stages": num_stages, "use_dot": launch_table.DECODE_USE_DOT,
-            "min_split_tokens": launch_table.DECODE_MIN_SPLIT_TOKENS}
+    row = launch_table.lookup(launch_table.DECODE, batch * kv_heads)
+    return dict(row._asdict(), splits=launch_table.decode_splits(batch, kv_heads, max_context_len))
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, num_splits,
-                   KV_HEADS: tl.constexpr, GROUP: tl.constexpr, M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT_ALIGN: tl.constexpr, SPLIT: tl.constexpr,
-                   USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
+                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, kv_heads,
+                   group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    if HEAD_MAJOR:
+        kvh = tl.program_id(0)
+        s = tl.program_id(1)
+        b = tl.program_id(2)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        s = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    # This sequence's own length is divided among the splits (whole tiles), not the host bound.
-    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
-    start = s * split_len
-    end = tl.minimum(ctx, start + split_len)
+    # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of this sequence's own length
+    # (not the host bound): any length spreads evenly, and the blocks are scattered anyway.
+    n_tiles = tl.cdiv(tl.maximum(tl.cdiv(ctx, TILE) - s, 0), num_splits)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
+    heads = kvh * group + g
+    gmask = g < group
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
@@ -86,10 +92,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
-    row = KV_HEADS * HEAD_DIM
-    for tok0 in range(start, end, TILE):
-        tok = tok0 + t
-        tmask = tok < end
+    row = kv_heads * HEAD_DIM
+    for i in range(0, n_tiles):
+        tok = (s + i * num_splits) * TILE + t
+        tmask = tok < ctx
         block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
         off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
@@ -113,7 +119,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        base = (b * KV_HEADS * GROUP + heads) * num_splits + s
+        base = (b * kv_heads * group + heads) * num_splits + s
         tl.store(mid_o_ptr + base[:, None] * HEAD_DIM + d[None, :], o, mask=gmask[:, None])
         tl.store(mid_lse_ptr + base, lse, mask=gmask)
     else:
@@ -164,11 +170,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
-    _decode_kernel[(batch, kv_heads, splits)](
+    grid = (kv_heads, splits, batch) if cfg["head_major"] else (batch, kv_heads, splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
-        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), splits, KV_HEADS=kv_heads,
-        GROUP=group, M=m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
-        SPLIT_ALIGN=tile * triton.cdiv(cfg["min_split_tokens"], tile), SPLIT=splits > 1,
+        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits, M=m,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:

@@ -120,6 +120,30 @@ def _special_ids(tokenizer) -> frozenset[int]:
     return ids
 
 
+_text_table_cache: "weakref.WeakKeyDictionary[object, dict[bool, list]]" = weakref.WeakKeyDictionary()
+
+
+def _text_table(tokenizer, byte_table: list, skip_special_tokens: bool) -> list:
+    """Per id of a byte-level vocabulary: "" for a skipped special token, the token's text when its
+    bytes are whole UTF-8 on their own, else None. While no partial character is pending, such a
+    token decodes to exactly this text, so one list index replaces an incremental decode."""
+    per_skip = _text_table_cache.setdefault(tokenizer, {})
+    table = per_skip.get(skip_special_tokens)
+    if table is None:
+        special = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        table = [None] * len(byte_table)
+        for i, b in enumerate(byte_table):
+            if i in special:
+                table[i] = ""
+            else:
+                try:
+                    table[i] = b.decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+        per_skip[skip_special_tokens] = table
+    return table
+
+
 def prepare(tokenizer) -> None:
     """Build the per-tokenizer tables now (start-up), not when the first request streams."""
     IncrementalDetokenizer(tokenizer)
@@ -127,7 +151,7 @@ def prepare(tokenizer) -> None:
 
 class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "skip_special_tokens", "vocab_size", "cleanup_spaces",
-                 "byte_ids", "special_ids", "byte_table", "utf8",
+                 "byte_ids", "special_ids", "byte_table", "text_table", "utf8",
                  "ids", "prefix_offset", "read_offset", "emitted_chars")
 
     def __init__(self, tokenizer, prompt_token_ids: Optional[list[int]] = None, skip_special_tokens: bool = True):
@@ -142,17 +166,27 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         # Fast path for byte-level BPE: token bytes through an incremental UTF-8 decoder (about
         # 1 us a token instead of a windowed decode); it holds back an unfinished character itself.
+        # A token that is whole UTF-8 while nothing is pending skips even that: its text is looked up.
         self.byte_table = _byte_level_table(tokenizer)
         self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.byte_table is not None else None
+        self.text_table = (_text_table(tokenizer, self.byte_table, skip_special_tokens)
+                           if self.byte_table is not None else None)
         self.prefix_offset = 0  # first token of the window
         self.read_offset = 0  # tokens before it: the window text up to them is final
         self.emitted_chars = 0  # characters of the window text that are context or already emitted
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the text that became final (may be "")."""
-        if self.utf8 is not None:
-            if 0 <= token_id < self.vocab_size and token_id not in self.special_ids:
-                return self.utf8.decode(self.byte_table[token_id])
+        utf8 = self.utf8
+        if utf8 is not None:
+            if 0 <= token_id < self.vocab_size:
+                # .buffer: the bytes of a character still incomplete (BufferedIncrementalDecoder)
+                if not utf8.buffer:
+                    text = self.text_table[token_id]
+                    if text is not None:
+                        return text
+                if token_id not in self.special_ids:
+                    return utf8.decode(self.byte_table[token_id])
             return ""
         if 0 <= token_id < self.vocab_size:
             self.ids.append(token_id)

@@ -66,9 +66,9 @@ END = _END = _End()  # the last item of every request's stream
 
 
 class _Request:
-    __slots__ = ("rid", "params", "queue", "sink", "detok", "text", "sent", "pending_tokens", "holdback",
-                 "prompt_tokens", "output_tokens", "finish_reason", "ts", "done", "abandoned",
-                 "cached_tokens", "error")
+    __slots__ = ("rid", "params", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
+                 "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
+                 "abandoned", "cached_tokens", "error")
 
     def __init__(self, rid: int, params: SamplingParams, submit: float, sink: Optional[queue.SimpleQueue]):
         self.rid = rid
@@ -76,7 +76,11 @@ class _Request:
         self.sink = sink
         self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
         self.detok: Optional[IncrementalDetokenizer] = None
-        self.text = ""  # detokenized so far
+        # The text is kept as pieces already put on the queue plus the text not yet put, so that a
+        # token costs no copy of all the text before it; ``text`` joins them when asked.
+        self.parts: list[str] = []
+        self.unsent = ""
+        self.final_text: Optional[str] = None  # the whole text, once finished
         self.sent = 0  # characters of text already put on the queue
         self.pending_tokens = 0
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -88,6 +92,13 @@ class _Request:
         self.abandoned = False
         self.cached_tokens = 0
         self.error: Optional[BaseException] = None
+
+    @property
+    def text(self) -> str:
+        """Detokenized so far (the whole output once finished)."""
+        if self.final_text is not None:
+            return self.final_text
+        return "".join(self.parts) + self.unsent
 
 
 class RequestStream:
@@ -381,7 +392,7 @@ class StreamingManager:
                         req.cached_tokens = seq.num_cached_tokens
                 if record:
                     req.ts.token_times.append(now)
-                req.text += req.detok.push(tok)
+                req.unsent += req.detok.push(tok)
                 req.pending_tokens += 1
                 # first token at once; a finishing request is flushed below, after any stop-string cut
                 if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
@@ -394,19 +405,25 @@ class StreamingManager:
                 reason = seq.finish_reason.value if seq is not None and seq.finish_reason else "stop"
                 final = self.scheduler.pop_response(req.rid) if seq is not None else None
                 if seq is not None and seq.final_text is not None:
-                    req.text = final  # cut before the stop string
+                    text = final  # cut before the stop string
                 else:
-                    req.text += req.detok.flush() if req.detok else ""
+                    text = "".join(req.parts) + req.unsent + (req.detok.flush() if req.detok else "")
+                req.final_text = text
+                req.unsent = text[req.sent:]
                 req.finish_reason = reason
                 req.ts.finish = now
                 self._flush(req, now, final=True)
                 self._close(req)
 
     def _flush(self, req: _Request, now: float, final: bool = False) -> None:
-        upto = len(req.text) if final else len(req.text) - req.holdback
-        if upto > req.sent:
-            self._put(req, req.text[req.sent:upto])
-            req.sent = upto
+        unsent = req.unsent
+        upto = len(unsent) if final else len(unsent) - req.holdback
+        if upto > 0:
+            piece = unsent[:upto]
+            req.unsent = unsent[upto:]
+            req.parts.append(piece)
+            req.sent += upto
+            req.queue.put(piece if req.sink is None else (req.rid, piece))
             if self.record_timestamps:
                 req.ts.flush_times.append(now)
                 req.ts.flush_tokens.append(req.pending_tokens)

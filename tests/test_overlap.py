@@ -96,3 +96,14 @@ def test_step_returns_last_launched_tokens_and_discard_mid_flight_frees_blocks(h
     seq = sched.seqs[keep]
     assert seq.output_token_ids == hf_greedy(hf, seq.token_ids[:seq.num_prompt_tokens], 40)
     assert sched.block_manager.num_used_blocks == 0
+
+
+def test_a_step_in_flight_with_only_finished_requests_is_not_waited_for(hf):
+    sched = tiny_scheduler(hf, overlap_schedule=True, block_size=4)
+    prompt = _prompts(1, 6, 5, 9)[0]
+    ref = hf_greedy(hf, prompt, 8)
+    sched.run_to_completion([prompt], SamplingParams(max_new_tokens=8, stop_on_eos=False, stop_token_ids=[ref[3]]))
+    # it stopped at its 4th token while its 5th step was in flight: that step is dropped, not read later
+    assert sched._inflight is None
+    rid = sched.add_request(prompt, SamplingParams(max_new_tokens=3, stop_on_eos=False))
+    assert rid in sched.step(), "the next request's first step is its prefill"

@@ -130,6 +130,8 @@ class Scheduler:
             return
         if not seq.is_finished:
             self._finish(seq, FinishReason.ABORT, announce=False)
+        if not self.running:  # a step in flight now holds only finished sequences
+            self._inflight = None
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -169,7 +171,10 @@ class Scheduler:
             if batch:
                 self._inflight = self._launch_decode(batch)
         self.last_step_kind = "decode"
-        return self._read_decode(inflight)
+        out = self._read_decode(inflight)
+        if not self.running:  # the step just launched holds only finished sequences: nothing to read
+            self._inflight = None
+        return out
 
     def _prefill_due(self) -> bool:
         """Whether the next step would be a prefill (the admission test without admitting)."""

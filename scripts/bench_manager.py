@@ -238,7 +238,8 @@ def main(argv=None) -> int:
                           seed=args.seed, num_gpu_blocks=args.num_gpu_blocks, enable_prefix_cache=False,
                           max_batch_size=batch, prefill_max_batch_size=batch, paged_attn=args.paged_attn,
                           cuda_graph=args.cuda_graph, overlap_schedule=args.overlap_schedule,
-                          stream_interval=args.stream_interval, show_progress=False)
+                          stream_interval=args.stream_interval, show_progress=False,
+                          cache_dir=os.environ.get("ROSE_CACHE_DIR"))  # as the CLI's --cache-dir
     engine = LLMEngine(config)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_on_eos=False)
     # distinct prompts of ordinary (non-special) token ids

@@ -63,8 +63,8 @@ class _Staging:
 
     def __init__(self, buf: torch.Tensor, mb: int, nb: int):
         self.buf = buf
-        i64 = buf[:40 * mb].view(torch.int64)
-        i32 = buf[40 * mb:].view(torch.int32)
+        i64 = buf[:self.INT64_FIELDS * 8 * mb].view(torch.int64)
+        i32 = buf[self.INT64_FIELDS * 8 * mb:].view(torch.int32)
         self.tokens, self.src = i64[:2 * mb], i64[2 * mb:3 * mb]
         self.host_ids = i64[mb:2 * mb]
         self.positions, self.slots = i64[3 * mb:4 * mb], i64[4 * mb:5 * mb]
@@ -78,9 +78,16 @@ class _Staging:
         view.buf, view.row_version = self.buf, self.row_version
         return view
 
-    @staticmethod
-    def nbytes(mb: int, nb: int) -> int:
-        return 40 * mb + 4 * mb + 4 * mb * nb
+    INT64_FIELDS = 5  # sampled, host ids, src, positions, slots
+
+    @classmethod
+    def nbytes(cls, mb: int, nb: int) -> int:
+        return cls.copied_span(mb, nb, mb)[1]
+
+    @classmethod
+    def copied_span(cls, mb: int, nb: int, rows: int) -> tuple[int, int]:
+        """Bytes a step copies: from the host ids through block-table row ``rows - 1``."""
+        return 8 * mb, cls.INT64_FIELDS * 8 * mb + 4 * mb + 4 * rows * nb
 
 
 class DecodeLaunch:
@@ -274,8 +281,7 @@ class ModelRunner:
         """One host-to-device copy: host ids through the first ``rows`` block-table rows."""
         if not self.is_cuda:
             return
-        mb, nb = self.max_batch_size, self.max_blocks_per_seq
-        start, end = 8 * mb, 44 * mb + 4 * rows * nb
+        start, end = _Staging.copied_span(self.max_batch_size, self.max_blocks_per_seq, rows)
         self.dev_staging.buf[start:end].copy_(staging.buf[start:end], non_blocking=True)
 
     def _pad_rows(self, st: _Staging, start: int, end: int) -> None:

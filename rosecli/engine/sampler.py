@@ -35,11 +35,11 @@ def sample(logits: torch.Tensor, temperatures: Seq[float], top_ks: Seq[int], top
            generators: Seq[Optional[torch.Generator]], default_generator: Optional[torch.Generator]) -> torch.Tensor:
     """logits: [B, vocab] float32 -> token ids [B] (int64, on logits' device)."""
     device = logits.device
+    greedy = logits.argmax(dim=-1)
+    if all(t == 0 for t in temperatures):  # decided on the host: no device sync in a launched step
+        return greedy
     temps = torch.tensor(temperatures, dtype=torch.float32, device=device)
     greedy_rows = temps == 0
-    greedy = logits.argmax(dim=-1)
-    if bool(greedy_rows.all()):
-        return greedy
     scaled = logits / torch.where(greedy_rows, torch.ones_like(temps), temps)[:, None]
     if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
         scaled = apply_top_k_top_p(scaled, torch.tensor(top_ks, device=device),

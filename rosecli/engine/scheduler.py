@@ -180,9 +180,12 @@ class Scheduler:
         """Whether the next step would be a prefill (the admission test without admitting)."""
         if self.prefilling:
             return True
-        if not self.waiting or len(self.running) >= self.max_active:
-            return False
-        return self.block_manager.can_allocate(self.waiting[0])
+        return bool(self.waiting) and self._can_admit(self.waiting[0])
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """FCFS admission of the queue's head: room in the active set and KV blocks for its prompt."""
+        return (len(self.prefilling) + len(self.running) < self.max_active
+                and self.block_manager.can_allocate(seq))
 
     def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
         cfg = self.config
@@ -198,10 +201,8 @@ class Scheduler:
             budget -= n
         now = None
         while self.waiting and budget > 0 and len(batch) < cfg.prefill_max_batch_size:
-            if len(self.prefilling) + len(self.running) >= self.max_active:
-                break
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            if not self._can_admit(seq):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
@@ -233,7 +234,8 @@ class Scheduler:
         bs = self.config.block_size
         scheduled: list[Sequence] = []
         for seq in batch:
-            if seq.status is not SequenceStatus.RUNNING or self._at_length_limit(seq):
+            # a sequence whose pending token is its last (step in flight) needs no further step
+            if seq.status is not SequenceStatus.RUNNING or self._length_reached(seq, len(seq.token_ids)):
                 continue
             if len(seq.block_table) * bs < len(seq.token_ids):  # the new token starts a block
                 if not allow_preempt and not bm.can_append(seq):
@@ -250,10 +252,9 @@ class Scheduler:
                 scheduled.append(seq)
         return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
 
-    def _at_length_limit(self, seq: Sequence) -> bool:
-        """Its last token (pending in the step in flight) is the last it may have."""
-        return (len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_new_tokens
-                or len(seq.token_ids) >= self.max_model_len)
+    def _length_reached(self, seq: Sequence, length: int) -> bool:
+        """A sequence of ``length`` tokens may have no more (max_new_tokens or the model's context)."""
+        return length - seq.num_prompt_tokens >= seq.params.max_new_tokens or length >= self.max_model_len
 
     def _newest_admitted(self) -> Sequence:
         candidates = self.running + self.prefilling
@@ -345,7 +346,7 @@ class Scheduler:
                 seq.final_text = text[:min(hits)]
                 seq.stop_text = text[min(hits):]
                 return FinishReason.STOP
-        if length - seq.num_prompt_tokens >= p.max_new_tokens or length >= self.max_model_len:
+        if self._length_reached(seq, length):
             return FinishReason.LENGTH
         return None
 

@@ -84,6 +84,14 @@ def test_paged_decode_split_and_merge_over_many_blocks(splits):
     assert _rel(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("block_size", [1, 8, 32, 64])
+def test_paged_decode_tile_narrower_than_a_block(block_size):
+    """A launch's tile below the block size is widened to whole blocks (one block-table read per block)."""
+    out, ref = _decode_case([1, 31, 32, 33, 100], 4, 2, 32, block_size, torch.float32, seed=block_size, splits=2,
+                            tile=16)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
 def test_paged_decode_loose_bound_as_under_a_cuda_graph():
     """The bound (the model's maximum under a graph) far exceeds every length, and picks several splits."""
     bound = 2048

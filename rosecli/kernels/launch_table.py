@@ -52,8 +52,8 @@ DECODE = ((3, DecodeLaunch(32, 64, 128, 4, 3, False, True)),  # smollm2 B=1
           (24, DecodeLaunch(16, 64, 128, 4, 3, False, True)),  # smollm2 B=8
           (96, DecodeLaunch(4, 256, 128, 4, 4, False, True)),  # gpt2 B=8
           (192, DecodeLaunch(4, 256, 64, 2, 3, False, True)),  # smollm2 B=64
-          (768, DecodeLaunch(1, 256, 64, 2, 3, True, True)),  # gpt2 B=64, smollm2 B=256
-          (math.inf, DecodeLaunch(1, 256, 64, 2, 3, True, True)))  # gpt2 B=256
+          (768, DecodeLaunch(1, 256, 64, 2, 2, True, True)),  # gpt2 B=64, smollm2 B=256
+          (math.inf, DecodeLaunch(1, 256, 32, 2, 3, True, True)))  # gpt2 B=256
 
 # --- paged prefill ------------------------------------------------------------------------------
 # (block_m, block_n, num_warps, num_stages) by the longest query run of the batch: rows (largest

@@ -64,8 +64,8 @@ def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_si
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h, kv_heads,
-                   group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
+                   kv_heads, group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     if HEAD_MAJOR:
@@ -93,11 +93,16 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
     row = kv_heads * HEAD_DIM
+    bt_row = block_tables_ptr + b * bt_stride
+    NB: tl.constexpr = TILE // BLOCK_SIZE
     for i in range(0, n_tiles):
         tok = (s + i * num_splits) * TILE + t
         tmask = tok < ctx
-        block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
+        # One block-table entry per block of the tile, spread over its tokens (TILE covers whole blocks).
+        nb = (s + i * num_splits) * NB + tl.arange(0, NB)
+        blocks = tl.load(bt_row + nb, mask=nb * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+        block = tl.reshape(tl.broadcast_to(blocks[:, None], [NB, BLOCK_SIZE]), [TILE])
+        off = (block * BLOCK_SIZE + t % BLOCK_SIZE) * row + kvh * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         if USE_DOT:  # [M, TILE] on tensor cores; the group is padded to M >= 16 rows
@@ -117,14 +122,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     # An empty split (or a padding row with context 0) writes zeros and a log-sum-exp of -inf.
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + d[None, :]
     if SPLIT:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        base = (b * kv_heads * group + heads) * num_splits + s
-        tl.store(mid_o_ptr + base[:, None] * HEAD_DIM + d[None, :], o, mask=gmask[:, None])
-        tl.store(mid_lse_ptr + base, lse, mask=gmask)
+        first = (b * kv_heads * group + heads) * num_splits
+        tl.store(mid_o_ptr + (first + s)[:, None] * HEAD_DIM + d[None, :], o, mask=gmask[:, None])
+        tl.store(mid_lse_ptr + first + s, lse, mask=gmask)
     else:
-        tl.store(out_ptr + b * out_stride_b + heads[:, None] * out_stride_h + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -163,7 +168,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     cfg = decode_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len)
     cfg.update(launch)
     splits = cfg["splits"]
-    tile = cfg["tile"]
+    tile = max(cfg["tile"], block_size)  # a tile covers whole blocks
     m = max(16, triton.next_power_of_2(group)) if cfg["use_dot"] else triton.next_power_of_2(group)
     if splits > 1:
         mid_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)

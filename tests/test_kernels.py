@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from rosecli.kernels import launch_table  # noqa: E402
-from rosecli.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from rosecli.kernels.paged_decode import (decode_launch, paged_decode_attention,  # noqa: E402
+                                          paged_decode_attention_ref)
 from rosecli.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from rosecli.kernels.store_kv import store_kv_cache, store_kv_cache_ref  # noqa: E402
 
@@ -42,6 +43,11 @@ def _paged(lens, kv_heads, head_dim, block_size, dtype, seed, spare=3):
         tables[i, :nb] = perm[pos:pos + nb].int()
         pos += nb
     return k_cache, v_cache, tables.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+
+
+def _splits(batch, kv_heads, bound, block_size=16):
+    """The split count the table gives a decode launch (GQA group 3, head_dim 64)."""
+    return decode_launch(batch, 3 * kv_heads, kv_heads, 64, block_size, bound)["splits"]
 
 
 def _decode_case(lens, heads, kv_heads, head_dim, block_size, dtype, seed, bound=None, **launch):
@@ -95,7 +101,7 @@ def test_paged_decode_tile_narrower_than_a_block(block_size):
 def test_paged_decode_loose_bound_as_under_a_cuda_graph():
     """The bound (the model's maximum under a graph) far exceeds every length, and picks several splits."""
     bound = 2048
-    assert launch_table.decode_splits(4, 2, bound) > 1
+    assert _splits(4, 2, bound) > 1
     out, ref = _decode_case([300, 7, 64, 65], 4, 2, 32, 16, torch.float32, seed=5, bound=bound)
     assert _rel(out, ref) < TOL[torch.float32]
 
@@ -128,9 +134,11 @@ def test_paged_decode_head_major_float16_with_splits():
 
 
 def test_decode_split_table():
-    assert launch_table.decode_splits(1, 12, 4096) > launch_table.decode_splits(64, 12, 4096) == 1
-    assert launch_table.decode_splits(1, 12, 10) == 1  # a short bound never asks for empty splits
-    assert all(launch_table.decode_splits(b, 3, 8192) >= 1 for b in (1, 7, 64, 1000))
+    assert _splits(1, 12, 4096) > _splits(64, 12, 4096) == 1
+    assert _splits(1, 12, 10) == 1  # a short bound never asks for empty splits
+    narrow = launch_table.DecodeLaunch(8, 16, 32, 2, 2, False, True)  # tiles widen to 128-token blocks
+    assert launch_table.capped_splits(narrow, 256, block_size=128) == 2  # so 256 tokens make two splits, not 8
+    assert all(_splits(b, 3, 8192) >= 1 for b in (1, 7, 64, 1000))
 
 
 def test_decode_launch_table_rows_are_launchable():

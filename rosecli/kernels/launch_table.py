@@ -17,7 +17,7 @@ from typing import NamedTuple
 #                     sequence's *real* length is dealt out to the splits on the device a tile at a
 #                     time, so a bound far above the real lengths (CUDA graphs pass the model's
 #                     maximum) still spreads the real work
-#   tile              context tokens per inner iteration (several blocks, gathered per token)
+#   tile              context tokens per inner iteration (whole blocks: one block-table read per block)
 #   num_warps, num_stages
 #   head_major        launch order: the kv heads of one sequence side by side (they read neighbouring
 #                     128-byte rows of the same cache blocks) instead of one kv head of every sequence
@@ -77,11 +77,8 @@ def lookup(rows, key):
     raise ValueError(f"no launch-table row covers {key}")
 
 
-def capped_splits(row: DecodeLaunch, max_context_len: int) -> int:
-    """``row``'s split count, capped so no split covers less than its minimum (nor one tile) of the bound."""
-    return max(1, min(row.splits, math.ceil(max_context_len / max(row.min_split_tokens, row.tile))))
+def capped_splits(row: DecodeLaunch, max_context_len: int, block_size: int = 1) -> int:
+    """``row``'s split count, capped so no split covers less than its minimum, nor one tile, of the bound.
+    A tile covers whole KV blocks (the kernel widens a tile below ``block_size`` to one block)."""
+    return max(1, min(row.splits, math.ceil(max_context_len / max(row.min_split_tokens, row.tile, block_size))))
 
-
-def decode_splits(batch: int, kv_heads: int, max_context_len: int) -> int:
-    """Splits for a decode launch: the table's count for the shape, capped by the context bound."""
-    return capped_splits(lookup(DECODE, batch * kv_heads), max_context_len)

@@ -59,7 +59,7 @@ def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_si
                   max_context_len: int) -> dict:
     """The fixed launch parameters for a shape (see `launch_table`)."""
     row = launch_table.lookup(launch_table.DECODE, batch * kv_heads)
-    return dict(row._asdict(), splits=launch_table.decode_splits(batch, kv_heads, max_context_len))
+    return dict(row._asdict(), splits=launch_table.capped_splits(row, max_context_len, block_size))
 
 
 @triton.jit

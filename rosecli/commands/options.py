@@ -103,7 +103,8 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
         gpu_memory_utilization=gpu_memory_utilization, enable_prefix_cache=prefix_cache,
         max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
         prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
-        paged_attn=paged_attn, cuda_graph=cuda_graph, overlap_schedule=overlap_schedule, nvtx=nvtx, stream_interval=stream_interval,
+        paged_attn=paged_attn, cuda_graph=cuda_graph, overlap_schedule=overlap_schedule, nvtx=nvtx,
+        stream_interval=stream_interval,
         tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
         cpu_weights=cpu_weights, show_progress=show_progress)
 

@@ -328,7 +328,8 @@ class ModelRunner:
         self._launches = launch_no = last + 1
         with stages.range("prepare_inputs", batch):
             st = self._np_staging[flip]
-            src, ids, pos, slots, ctx, bt = st.src, st.host_ids, st.positions, st.slots, st.context_lens, st.block_tables
+            src, ids, pos, slots = st.src, st.host_ids, st.positions, st.slots
+            ctx, bt = st.context_lens, st.block_tables
             max_ctx = 1
             row_version = st.row_version
             for i, s in enumerate(seqs):

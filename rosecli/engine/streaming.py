@@ -407,7 +407,7 @@ class StreamingManager:
                 if seq is not None and seq.final_text is not None:
                     text = final  # cut before the stop string
                 else:
-                    text = "".join(req.parts) + req.unsent + (req.detok.flush() if req.detok else "")
+                    text = req.text + (req.detok.flush() if req.detok else "")
                 req.final_text = text
                 req.unsent = text[req.sent:]
                 req.finish_reason = reason
@@ -423,7 +423,7 @@ class StreamingManager:
             req.unsent = unsent[upto:]
             req.parts.append(piece)
             req.sent += upto
-            req.queue.put(piece if req.sink is None else (req.rid, piece))
+            self._put(req, piece)
             if self.record_timestamps:
                 req.ts.flush_times.append(now)
                 req.ts.flush_tokens.append(req.pending_tokens)

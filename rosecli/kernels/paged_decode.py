@@ -16,12 +16,14 @@ instead of landing in the first. kv heads and group size are runtime arguments, 
 differ only there share one compiled kernel.
 """
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rosecli.kernels import launch_table
 
@@ -62,12 +64,21 @@ def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_si
     return dict(row._asdict(), splits=launch_table.capped_splits(row, max_context_len, block_size))
 
 
+@functools.lru_cache(maxsize=None)
+def use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (Hopper and later): the merge kernel is launched while the decode
+    kernel still runs and waits on the device for its end, so its launch costs no gap between the two."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
                    mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
                    kv_heads, group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the merge may launch now: it waits for this whole grid to end before it reads
+        gdc_launch_dependents()
     if HEAD_MAJOR:
         kvh = tl.program_id(0)
         s = tl.program_id(1)
@@ -134,7 +145,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
 
 @triton.jit
 def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h, num_splits, HEADS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched early (see `use_pdl`): wait until the decode kernel has ended and its writes are visible
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -175,14 +188,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
+    pdl = splits > 1 and use_pdl(q.device)
     grid = (kv_heads, splits, batch) if cfg["head_major"] else (batch, kv_heads, splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
-        USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
-                                      HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), num_warps=1)
+                                      HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl,
+                                      num_warps=1, launch_pdl=pdl)
     return out

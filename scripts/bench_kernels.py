@@ -20,10 +20,8 @@ K/V expanded to every query head counts. The verdict is against SDPA's default b
 torch 2.11 that is cuDNN's attention for these shapes: forcing CUDNN_ATTENTION gives the same times); the
 FA2 column holds SDPA to FlashAttention-2. The header also gives a plain streaming read's GB/s measured
 on the spot, a read-only ceiling beside the copy one. Decode bytes per call: K and V of every context token (read
-once) + q read + out written. The table ends with the worst ours/SDPA ratio and where, the % of the
-copy ceiling at B=64 ctx 1024, and a layout probe: the same kernel on the same bytes with one kv head
-per cache (each block one contiguous run) against kv heads interleaved, i.e. what the
-[blocks, block_size, kv_heads, head_dim] layout costs.
+once) + q read + out written. The table ends with the worst ours/SDPA ratio and where, and the % of the
+copy ceiling at B=64 ctx 1024.
 
 The sweeps search decode launches per batch x kv heads (the launch table's key) over the table's points
 of that key, scoring a launch by its worst and mean ours/SDPA ratio (graph), starting from the table,
@@ -129,7 +127,7 @@ def decode_sets(batch, ctx, heads, kv_heads, sets):
     """``sets`` K/V caches (one per call, like layers) behind one shuffled block table, lengths = ctx and q."""
     per_seq = math.ceil(ctx / BLOCK_SIZE)
     nblk = batch * (per_seq + 1)  # a spare block per sequence, so the table is not the identity
-    kv = torch.randn(2, sets, nblk, BLOCK_SIZE, kv_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    kv = torch.randn(2, sets, nblk, kv_heads, BLOCK_SIZE, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     tables = torch.randperm(nblk, device=DEVICE)[:batch * per_seq].view(batch, per_seq).to(torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.randn(batch, heads, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -205,22 +203,11 @@ def read_ceiling_gbs(nbytes=768 << 20, programs=768, block=4096) -> float:
     return programs * n_per * DTYPE.itemsize / us / 1e3
 
 
-def layout_probe(batch, ctx, heads, kv_heads) -> tuple[float, float]:
-    """(us with kv heads interleaved, us with one kv head per cache) on the same bytes, same launch."""
-    group = heads // kv_heads
-    times = []
-    for b, h, kvh in ((batch, heads, kv_heads), (batch * kv_heads, group, 1)):
-        sets = decode_sets(b, ctx, h, kvh, n_sets(decode_bytes(b, ctx, h, kvh)))
-        times.append(graph_us(ours_fns(sets, ctx)))
-        del sets
-    return times[0], times[1]
-
-
 def prefill_inputs(new, prefix, heads, kv_heads):
     lens = [n + p for n, p in zip(new, prefix)]
     per_seq = [math.ceil(n / BLOCK_SIZE) for n in lens]
     nblk = sum(per_seq)
-    k_cache = torch.randn(nblk, BLOCK_SIZE, kv_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k_cache = torch.randn(nblk, kv_heads, BLOCK_SIZE, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(nblk, device=DEVICE).to(torch.int32)
     tables = torch.zeros(len(lens), max(per_seq), dtype=torch.int32, device=DEVICE)
@@ -255,7 +242,7 @@ def bench_prefill(name, new, prefix, heads, kv_heads) -> dict:
 
 def bench_store(n_tokens, kv_heads) -> dict:
     nblk = 4 * n_tokens // BLOCK_SIZE + 1
-    k_cache = torch.randn(nblk, BLOCK_SIZE, kv_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    k_cache = torch.randn(nblk, kv_heads, BLOCK_SIZE, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     key = torch.randn(n_tokens, kv_heads, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     value = torch.randn_like(key)
@@ -310,13 +297,6 @@ def run_table(decode_only: bool) -> list[dict]:
                       if r["batch"] == 64 and r["context"] == 1024) + " of it; ours/FA2 worst "
           f"{max(r['us'] / r['flash_us'] for r in rows):.2f}x", flush=True)
     rows.append({"kernel": "read_ceiling", "GB/s": read_gbs})
-    probe = []
-    for name, (heads, kv) in SHAPES.items():
-        mixed, alone = layout_probe(64, 1024, heads, kv)
-        probe.append(f"{name} {mixed:.1f} us interleaved vs {alone:.1f} us alone ({mixed / alone:.2f}x)")
-        rows.append({"kernel": "layout_probe", "shape": name, "batch": 64, "context": 1024, "interleaved_us": mixed,
-                     "one_kv_head_us": alone})
-    print("layout probe, B=64 ctx 1024, graph: " + "; ".join(probe), flush=True)
     if decode_only:
         return rows
     for name, (heads, kv) in SHAPES.items():

@@ -140,12 +140,12 @@ def test_decode_plan_matches_references(heads, kv_heads, pad):
     q = torch.randn(batch, heads * head_dim, generator=g)
     k = torch.randn(batch, kv_heads * head_dim, generator=g)
     v = torch.randn(batch, kv_heads * head_dim, generator=g)
-    caches = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    caches = torch.randn(2, num_blocks, kv_heads, block_size, head_dim, generator=g)
     meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.tensor(slots), block_tables=tables,
                              context_lens=ctx, max_context_len=max(lens))
     attn = Attention(heads, kv_heads, head_dim, head_dim ** -0.5)
     attn.k_cache, attn.v_cache = caches[0].clone(), caches[1].clone()
-    out = attn(q, k, v, with_decode_gather(meta, block_size, torch.float32))
+    out = attn(q, k, v, with_decode_gather(meta, block_size, kv_heads, torch.float32))
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
     store_kv_cache_ref(k.view(batch, kv_heads, head_dim), v.view(batch, kv_heads, head_dim), ref_k, ref_v,
                        meta.slot_mapping)
@@ -159,15 +159,15 @@ def test_decode_plan_matches_references(heads, kv_heads, pad):
 def test_store_ref_skips_padding_rows_without_host_sync():
     g = torch.Generator().manual_seed(17)
     key = torch.randn(3, 2, 8, generator=g)
-    cache = torch.randn(2, 5, 4, 2, 8, generator=g)
+    cache = torch.randn(2, 5, 2, 4, 8, generator=g)  # [K/V, blocks, kv_heads, block_size, head_dim]
     for slots in ([-1, -1, -1], [0, -1, 7], [-1, 0, -1]):
         k_cache, v_cache = cache[0].clone(), cache[1].clone()
         store_kv_cache_ref(key, key * 2, k_cache, v_cache, torch.tensor(slots))
-        want_k, want_v = cache[0].clone().flatten(0, 1), cache[1].clone().flatten(0, 1)
+        want_k, want_v = cache[0].clone(), cache[1].clone()
         for row, s in enumerate(slots):
             if s >= 0:
-                want_k[s], want_v[s] = key[row], key[row] * 2
-        assert torch.equal(k_cache.flatten(0, 1), want_k) and torch.equal(v_cache.flatten(0, 1), want_v)
+                want_k[s // 4, :, s % 4], want_v[s // 4, :, s % 4] = key[row], key[row] * 2
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 def test_rms_norm_float32_path_is_the_formula_bit_for_bit():

@@ -58,7 +58,7 @@ def test_fused_model_on_cuda_matches_hugging_face(kind):
     n = 23
     ids = torch.randint(2, 250, (n,), generator=torch.Generator().manual_seed(1))
     for attn in model.attention_layers():
-        attn.k_cache = torch.zeros(4, 16, attn.num_kv_heads, attn.head_dim, device="cuda")
+        attn.k_cache = torch.zeros(4, attn.num_kv_heads, 16, attn.head_dim, device="cuda")
         attn.v_cache = torch.zeros_like(attn.k_cache)
     meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(n, device="cuda"),
                              block_tables=torch.arange(2, dtype=torch.int32, device="cuda")[None],

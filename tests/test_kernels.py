@@ -34,8 +34,8 @@ def _paged(lens, kv_heads, head_dim, block_size, dtype, seed, spare=3):
     g = torch.Generator().manual_seed(seed)
     nblk = [max(1, -(-n // block_size)) for n in lens]
     total = sum(nblk) + spare
-    k_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEV, dtype)
-    v_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEV, dtype)
+    k_cache = torch.randn(total, kv_heads, block_size, head_dim, generator=g).to(DEV, dtype)
+    v_cache = torch.randn(total, kv_heads, block_size, head_dim, generator=g).to(DEV, dtype)
     perm = torch.randperm(total, generator=g)
     tables = torch.full((len(lens), max(nblk) + 2), -7, dtype=torch.int32)  # junk past each sequence's blocks
     pos = 0
@@ -161,17 +161,31 @@ def test_store_matches_reference_and_skips_padding(dtype, slot_dtype):
     slots = torch.randperm(40, generator=g)[:n].to(DEV, slot_dtype)
     slots[3] = -1
     slots[7] = -5
-    caches = [torch.randn(5, 8, kv_heads, head_dim, generator=g).to(DEV, dtype) for _ in range(2)]
+    caches = [torch.randn(5, kv_heads, 8, head_dim, generator=g).to(DEV, dtype) for _ in range(2)]
     before = [c.clone() for c in caches]
     ref = [c.clone() for c in caches]
     store_kv_cache(key, value, caches[0], caches[1], slots)
     store_kv_cache_ref(key, value, ref[0], ref[1], slots)
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
-    flat = caches[0].view(-1, kv_heads, head_dim)
-    assert torch.equal(flat[slots[0].long()], key[0])
+
+    def by_slot(c):  # [slots, kv_heads, head_dim]: token-major, written out by hand from the layout
+        return c.permute(0, 2, 1, 3).reshape(-1, kv_heads, head_dim)
+    for cache, src in zip(caches, (key, value)):
+        for i in range(n):
+            if slots[i] >= 0:
+                assert torch.equal(by_slot(cache)[slots[i].long()], src[i])
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots[slots >= 0].long().cpu()] = False
-    assert torch.equal(flat[untouched.to(DEV)], before[0].view(-1, kv_heads, head_dim)[untouched.to(DEV)])
+    assert torch.equal(by_slot(caches[0])[untouched.to(DEV)], by_slot(before[0])[untouched.to(DEV)])
+
+
+def test_store_rejects_a_cache_of_another_layout():
+    key = torch.randn(2, 3, 16).to(DEV)
+    token_major = torch.zeros(4, 8, 3, 16, device=DEV)  # [blocks, block_size, kv_heads, head_dim]: not ours
+    for store in (store_kv_cache, store_kv_cache_ref):
+        with pytest.raises(ValueError, match=r"not \[num_blocks, 3 kv heads, block_size, 16\]"):
+            store(key, key, token_major, token_major, torch.tensor([0, 1], device=DEV))
+    assert not token_major.any()  # nothing written
 
 
 PREFILL_CASES = [
@@ -249,7 +263,7 @@ def test_prefill_and_store_gpu_realistic_shapes(dtype):
         key, value = (torch.randn(300, kv_heads, 64, generator=g).to(DEV, dtype) for _ in range(2))
         slots = torch.randperm(64 * 16, generator=g)[:300].to(DEV)
         slots[::7] = -1
-        caches = [torch.randn(64, 16, kv_heads, 64, generator=g).to(DEV, dtype) for _ in range(2)]
+        caches = [torch.randn(64, kv_heads, 16, 64, generator=g).to(DEV, dtype) for _ in range(2)]
         ref_caches = [c.clone() for c in caches]
         store_kv_cache(key, value, *caches, slots)
         store_kv_cache_ref(key, value, *ref_caches, slots)

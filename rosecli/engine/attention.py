@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rosecli.kernels import paged_decode, prefill_attention, store_kv
+from rosecli.kernels import paged_decode, prefill_attention, slot_rows, store_kv
 
 
 @dataclass
@@ -40,13 +40,14 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     has_prefix: bool = False  # some sequence attends to tokens cached before this step
     # Torch decode path only, built once per step by `with_decode_gather` and shared by all layers
-    kv_index: Optional[torch.Tensor] = None  # [B, L] flat cache slot of each sequence's first L tokens
+    kv_index: Optional[torch.Tensor] = None  # [B, kv_heads, L] cache row (`slot_rows`) of each first L tokens' head
     kv_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] additive: 0 in the context, -inf past it
     store_rows: Optional[torch.Tensor] = None  # [B] row of the new K/V to store (padding: the first real row)
-    store_slots: Optional[torch.Tensor] = None  # [B] the cache slot each of those rows goes to
+    store_index: Optional[torch.Tensor] = None  # [B * kv_heads] the cache rows those rows' heads go to
 
 
-def with_decode_gather(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> AttentionMetadata:
+def with_decode_gather(meta: AttentionMetadata, block_size: int, kv_heads: int,
+                       dtype: torch.dtype) -> AttentionMetadata:
     """``meta`` plus what the torch decode path needs, computed once per step instead of once
     per layer: gather indices and length mask (L = the blocks covering ``max_context_len``,
     times ``block_size``; the mask is additive in ``dtype``, which SDPA takes faster than a
@@ -61,17 +62,17 @@ def with_decode_gather(meta: AttentionMetadata, block_size: int, dtype: torch.dt
     slots = meta.slot_mapping.long()
     keep = slots >= 0
     rows = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), keep.to(torch.uint8).argmax())
-    store_slots = slots.index_select(0, rows).clamp_(min=0)
+    store_index = slot_rows(slots.index_select(0, rows).clamp_(min=0), kv_heads, block_size).view(-1)
     batch = meta.block_tables.shape[0]
     nblk = max(1, -(-meta.max_context_len // block_size))
     blocks = meta.block_tables[:, :nblk].long().clamp(min=0)
-    offsets = torch.arange(block_size, device=blocks.device)
-    kv_index = (blocks.unsqueeze(-1) * block_size + offsets).view(batch, nblk * block_size)
+    pos_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=blocks.device))
+    kv_index = slot_rows(pos_slots.view(batch, nblk * block_size), kv_heads, block_size).transpose(1, 2)
     pos = torch.arange(nblk * block_size, device=blocks.device)
     past_end = pos >= meta.context_lens.unsqueeze(1)
     kv_mask = torch.zeros(past_end.shape, dtype=dtype, device=pos.device).masked_fill_(past_end, float("-inf"))
     kv_mask = kv_mask[:, None, None, :]
-    return dataclasses.replace(meta, kv_index=kv_index, kv_mask=kv_mask, store_rows=rows, store_slots=store_slots)
+    return dataclasses.replace(meta, kv_index=kv_index, kv_mask=kv_mask, store_rows=rows, store_index=store_index)
 
 
 class Attention(nn.Module):
@@ -93,10 +94,10 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        elif meta.store_slots is not None:
+        elif meta.store_index is not None:
             for src, cache in ((k, self.k_cache), (v, self.v_cache)):
-                rows = src.index_select(0, meta.store_rows).to(cache.dtype)
-                cache.flatten(0, 1).index_copy_(0, meta.store_slots, rows)
+                rows = src.index_select(0, meta.store_rows).to(cache.dtype).reshape(-1, self.head_dim)
+                cache.view(-1, self.head_dim).index_copy_(0, meta.store_index, rows)
         else:
             store_kv.store_kv_cache_ref(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if not meta.is_prefill:
@@ -120,11 +121,10 @@ class Attention(nn.Module):
 
     def _decode_gathered(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`paged_decode_attention_ref` with the step's precomputed gather (`with_decode_gather`)."""
-        batch, length = meta.kv_index.shape
-        idx = meta.kv_index.view(-1)
-        kv_shape = (batch, length, self.num_kv_heads, self.head_dim)
-        k = self.k_cache.flatten(0, 1).index_select(0, idx).view(kv_shape).transpose(1, 2)
-        v = self.v_cache.flatten(0, 1).index_select(0, idx).view(kv_shape).transpose(1, 2)
+        idx = meta.kv_index.reshape(-1)
+        kv_shape = meta.kv_index.shape + (self.head_dim,)  # [B, kv_heads, L, head_dim]
+        k = self.k_cache.view(-1, self.head_dim).index_select(0, idx).view(kv_shape)
+        v = self.v_cache.view(-1, self.head_dim).index_select(0, idx).view(kv_shape)
         mask = meta.kv_mask
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)

@@ -12,8 +12,9 @@ def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
 
 def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
-    """``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; layer i's attention gets [i, 0] and [i, 1]."""
-    pool = torch.zeros(model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim,
+    """``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` (see `rosecli.kernels`); layer i's attention
+    gets [i, 0] and [i, 1]."""
+    pool = torch.zeros(model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, model.head_dim,
                        dtype=dtype, device=device)
     for i, attn in enumerate(model.attention_layers()):
         attn.k_cache = pool[i, 0]

@@ -268,7 +268,7 @@ class ModelRunner:
     # --- execution --------------------------------------------------------------------------
     def _decode_forward(self, batch: int, meta: AttentionMetadata):
         if not meta.use_triton:  # inside the captured graph: the block tables change every step
-            meta = with_decode_gather(meta, self.block_size, self.dtype)
+            meta = with_decode_gather(meta, self.block_size, self.model.num_kv_heads, self.dtype)
         d = self.dev_staging
         input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
         hidden = self.model(input_ids, d.positions[:batch], meta)

@@ -42,17 +42,17 @@ class DecodeLaunch(NamedTuple):
 
 
 # Swept 2026-11-23 on an H100 (torch 2.11, triton 3.6) with `--quick-sweep` (CUDA-graph timing, scored
-# against SDPA over contexts 128/1024/4096): small batches split down to 64-token pieces; from 768
-# programs up, one split in head-major order. The last two rows come from a full grid over splits x tile x
-# warps x stages run the same day. With these rows ours is faster than SDPA held to FlashAttention-2 at every
-# point (0.48-0.97x). Against SDPA's default (cuDNN) it is 0.83-1.00x at 15 of 24 points and 1.01-1.17x at 9:
-# B >= 256 ctx >= 1024, GPT-2 B=8 ctx >= 1024, and SmolLM2 B=64. GPT-2 B=64 ctx 1024 reads 95.1% of the 2,975 GB/s
-# copy ceiling. docs/kernels.md has the table and what was tried.
+# against SDPA over contexts 128/1024/4096), on the [blocks, kv_heads, block_size, head_dim] cache and with the
+# merge launched by PDL: small batches split down to 64-token pieces; from 768 programs up, one split in
+# head-major order. With these rows ours is 0.42-0.92x the time of SDPA held to FlashAttention-2 at every point;
+# against SDPA's default (cuDNN) 0.75-1.00x at 18 of 24 points and 1.02-1.10x at 6: GPT-2 B=8 ctx 1024,
+# GPT-2 B=256 ctx >= 1024 and SmolLM2 B=64. GPT-2 B=64 ctx 1024 reads 96.4% of the 2,975 GB/s copy ceiling.
+# docs/kernels.md has the table and what was tried.
 #           batch*kv_heads   splits, min_split_tokens, tile, num_warps, num_stages, head_major, use_dot
-DECODE = ((3, DecodeLaunch(32, 64, 128, 4, 3, False, True)),  # smollm2 B=1
-          (12, DecodeLaunch(32, 64, 128, 4, 3, False, True)),  # gpt2 B=1
-          (24, DecodeLaunch(16, 64, 128, 4, 3, False, True)),  # smollm2 B=8
-          (96, DecodeLaunch(4, 256, 128, 4, 4, False, True)),  # gpt2 B=8
+DECODE = ((3, DecodeLaunch(32, 64, 128, 4, 2, False, True)),  # smollm2 B=1
+          (12, DecodeLaunch(32, 64, 128, 4, 2, False, True)),  # gpt2 B=1
+          (24, DecodeLaunch(16, 64, 128, 4, 2, False, True)),  # smollm2 B=8
+          (96, DecodeLaunch(4, 256, 128, 4, 2, True, True)),  # gpt2 B=8
           (192, DecodeLaunch(4, 256, 64, 2, 3, False, True)),  # smollm2 B=64
           (768, DecodeLaunch(1, 256, 64, 2, 2, True, True)),  # gpt2 B=64, smollm2 B=256
           (math.inf, DecodeLaunch(1, 256, 32, 2, 3, True, True)))  # gpt2 B=256

@@ -31,10 +31,10 @@ LOG2E = 1.4426950408889634
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """[B, num_blocks*block_size, kv_heads, head_dim] view of each sequence's first blocks."""
-    _, block_size, kv_heads, head_dim = cache.shape
+    """[B, kv_heads, num_blocks*block_size, head_dim]: each sequence's first blocks, in order."""
+    _, kv_heads, block_size, head_dim = cache.shape
     bt = block_tables[:, :num_blocks].long().clamp_(min=0)
-    return cache[bt].reshape(bt.shape[0], num_blocks * block_size, kv_heads, head_dim)
+    return cache[bt].transpose(1, 2).reshape(bt.shape[0], kv_heads, num_blocks * block_size, head_dim)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,10 +46,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``max_context_len`` is a host-side upper bound of ``context_lens``.
     """
     batch, heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     nblk = max(1, math.ceil(max_context_len / block_size))
-    k = gather_kv(k_cache, block_tables, nblk).transpose(1, 2)  # [B, kvh, L, D]
-    v = gather_kv(v_cache, block_tables, nblk).transpose(1, 2)
+    k = gather_kv(k_cache, block_tables, nblk)  # [B, kvh, L, D]
+    v = gather_kv(v_cache, block_tables, nblk)
     pos = torch.arange(k.shape[2], device=q.device)
     mask = (pos[None, :] < context_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B,1,1,L]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
@@ -103,7 +103,6 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     t = tl.arange(0, TILE)
-    row = kv_heads * HEAD_DIM
     bt_row = block_tables_ptr + b * bt_stride
     NB: tl.constexpr = TILE // BLOCK_SIZE
     for i in range(0, n_tiles):
@@ -113,7 +112,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         nb = (s + i * num_splits) * NB + tl.arange(0, NB)
         blocks = tl.load(bt_row + nb, mask=nb * BLOCK_SIZE < ctx, other=0).to(tl.int64)
         block = tl.reshape(tl.broadcast_to(blocks[:, None], [NB, BLOCK_SIZE]), [TILE])
-        off = (block * BLOCK_SIZE + t % BLOCK_SIZE) * row + kvh * HEAD_DIM
+        off = ((block * kv_heads + kvh) * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         if USE_DOT:  # [M, TILE] on tensor cores; the group is padded to M >= 16 rows
@@ -171,7 +170,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
     """
     batch, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, kv_heads, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = heads // kv_heads
     if out is None:

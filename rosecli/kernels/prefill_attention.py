@@ -27,11 +27,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     tokens sits at position ``context_lens[i] - n + j``.
     """
     heads = q.shape[1]
-    kv_heads = k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
-    block_size = k_cache.shape[1]
     for i in range(len(cu) - 1):
         s, e = cu[i], cu[i + 1]
         n = e - s
@@ -39,8 +38,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             continue
         L = ctx[i]
         nblk = math.ceil(L / block_size)
-        k = gather_kv(k_cache, block_tables[i:i + 1], nblk)[0, :L].transpose(0, 1)  # [kvh, L, D]
-        v = gather_kv(v_cache, block_tables[i:i + 1], nblk)[0, :L].transpose(0, 1)
+        k = gather_kv(k_cache, block_tables[i:i + 1], nblk)[0, :, :L]  # [kvh, L, D]
+        v = gather_kv(v_cache, block_tables[i:i + 1], nblk)[0, :, :L]
         qi = q[s:e].transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(L - n, L, device=q.device)
         mask = qpos[:, None] >= torch.arange(L, device=q.device)[None, :]
@@ -76,13 +75,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     t = tl.arange(0, BLOCK_N)
-    row = KV_HEADS * HEAD_DIM
     last = tl.minimum(ctx, ctx - n + (mb + 1) * QUERIES)  # keys past this program's last query are masked
     for tok0 in range(0, last, BLOCK_N):
         tok = tok0 + t
         tmask = tok < last
         block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        off = (block * BLOCK_SIZE + tok % BLOCK_SIZE) * row + kvh * HEAD_DIM
+        off = ((block * KV_HEADS + kvh) * BLOCK_SIZE + tok % BLOCK_SIZE) * HEAD_DIM
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
@@ -114,7 +112,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     ``launch`` overrides keys of `prefill_launch` (used by the benchmark's sweep only).
     """
     total, heads, head_dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
+    _, kv_heads, block_size, _ = k_cache.shape
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == 1
     group = heads // kv_heads
     if out is None:

@@ -45,7 +45,7 @@ class DecodeLaunch(NamedTuple):
 # against SDPA over contexts 128/1024/4096), on the [blocks, kv_heads, block_size, head_dim] cache and with the
 # merge launched by PDL: small batches split down to 64-token pieces; from 768 programs up, one split in
 # head-major order. With these rows ours is 0.42-0.92x the time of SDPA held to FlashAttention-2 at every point;
-# against SDPA's default (cuDNN) 0.75-1.00x at 18 of 24 points and 1.02-1.10x at 6: GPT-2 B=8 ctx 1024,
+# against SDPA's default (cuDNN) 0.75-0.98x at 18 of 24 points and 1.00-1.10x at 6: GPT-2 B=8 ctx 1024,
 # GPT-2 B=256 ctx >= 1024 and SmolLM2 B=64. GPT-2 B=64 ctx 1024 reads 96.4% of the 2,975 GB/s copy ceiling.
 # docs/kernels.md has the table and what was tried.
 #           batch*kv_heads   splits, min_split_tokens, tile, num_warps, num_stages, head_major, use_dot

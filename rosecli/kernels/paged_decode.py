@@ -2,11 +2,13 @@
 
 Triton kernel (flash-decoding): one program per (sequence, kv head, split), launched either
 sequence-major or with the kv heads of one sequence side by side (``head_major``: they read
-neighbouring 128-byte rows of the same cache blocks). Each program takes all query heads that
+neighbouring runs of the same cache blocks). Each program takes all query heads that
 share one kv head (a GQA group), so each K/V tile is read once for the group, walks its share of
 the context ``TILE`` tokens at a time (several blocks per tile, gathered through the block table)
 with an online softmax in float32, and writes either the output (one split) or a partial result
-and its log-sum-exp; a second kernel merges the splits.
+and its log-sum-exp; a second kernel merges the splits. On Hopper that merge kernel is launched with
+programmatic dependent launch: it starts while the decode kernel runs and waits on the device for its end,
+which saves most of the launch gap between the two (0.6-0.9 us per call at most split shapes, measured).
 
 The launch comes from the launch table by batch x kv heads (the split count capped by the context
 bound); each sequence's real length is divided among the splits on the device, tile by tile in

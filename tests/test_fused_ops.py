@@ -63,8 +63,8 @@ def test_fused_model_on_cuda_matches_hugging_face(kind):
     meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(n, device="cuda"),
                              block_tables=torch.arange(2, dtype=torch.int32, device="cuda")[None],
                              context_lens=torch.tensor([n], dtype=torch.int32, device="cuda"), max_context_len=n,
-                             use_triton=True, fused_ops=True, cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"),
-                             max_seqlen_q=n)
+                             use_triton=True, fused_ops=True,
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device="cuda"), max_seqlen_q=n)
     with torch.inference_mode():
         ours = model.compute_logits(model(ids.cuda(), torch.arange(n, device="cuda"), meta)).cpu()
         want = hf(ids[None]).logits[0].float()

@@ -23,7 +23,8 @@ def generate(
     model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto", device: o.Device = "auto",
     dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None,
-    gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None, overlap_schedule: o.OverlapSchedule = None,
+    gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
+    overlap_schedule: o.OverlapSchedule = None,
     max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0,
     top_p: o.TopP = 1.0, do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, stop: o.Stop = None,
 ) -> None:

@@ -277,6 +277,12 @@ class ModelRunner:
         d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
         return logits, greedy
 
+    def _next_buffers(self) -> int:
+        """Which staging area / sampled-id buffer this launch uses; the next launch takes the other."""
+        flip = self._flip
+        self._flip ^= 1
+        return flip
+
     def _copy_decode_inputs(self, staging: _Staging, rows: int) -> None:
         """One host-to-device copy: host ids through the first ``rows`` block-table rows."""
         if not self.is_cuda:
@@ -319,8 +325,7 @@ class ModelRunner:
             raise ValueError(f"decode batch {batch} exceeds max_batch_size {self.max_batch_size}")
         graph = self.graphs.get(self.padded_batch(batch)) if self.graphs else None
         rows = self.padded_batch(batch) if graph is not None else batch
-        flip = self._flip
-        self._flip ^= 1
+        flip = self._next_buffers()
         host = self._host_staging[flip]
         bs = self.block_size
         mb = self.max_batch_size
@@ -443,8 +448,7 @@ class ModelRunner:
         picked = [seqs[i] for i in sample_idx]
         with self.stages.range("sampling", len(picked)):
             ids = self._sample(picked, logits, None)
-        flip = self._flip
-        self._flip ^= 1
+        flip = self._next_buffers()
         sampled = self.collect(DecodeLaunch(picked, *self._fetch(ids, len(picked), flip)))
         for i, tok in zip(sample_idx, sampled):
             out[i] = tok

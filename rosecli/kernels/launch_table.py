@@ -20,7 +20,7 @@ from typing import NamedTuple
 #   tile              context tokens per inner iteration (whole blocks: one block-table read per block)
 #   num_warps, num_stages
 #   head_major        launch order: the kv heads of one sequence side by side (they read neighbouring
-#                     128-byte rows of the same cache blocks) instead of one kv head of every sequence
+#                     runs of the same cache blocks) instead of one kv head of every sequence
 #   use_dot           tensor-core inner products (the GQA group padded to 16 rows) or vector ones
 # Measured on an H100 (torch 2.11, triton 3.6, fp16, head_dim 64, block 16) before this form, with
 # `triton.testing.do_bench`: tensor cores won at every shape, MHA included (the kernel is bound by

@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from rosecli.kernels import launch_table  # noqa: E402
-from rosecli.kernels.paged_decode import (decode_launch, paged_decode_attention,  # noqa: E402
-                                          paged_decode_attention_ref)
+from rosecli.kernels.paged_decode import (decode_launch, gather_kv, paged_decode_attention,  # noqa: E402
+                                          paged_decode_attention_ref, paged_kv_read_floor)
 from rosecli.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from rosecli.kernels.store_kv import store_kv_cache, store_kv_cache_ref  # noqa: E402
 
@@ -131,6 +131,20 @@ def test_paged_decode_launch_variants(launch, heads, kv_heads):
 def test_paged_decode_head_major_float16_with_splits():
     out, ref = _decode_case([200, 17, 64], 9, 3, 32, 16, torch.float16, seed=4, bound=1024, head_major=True)
     assert _rel(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS[:3])
+def test_read_floor_reads_exactly_what_decode_reads(launch):
+    """The benchmark's read floor touches each real K/V element of every sequence once (none past its length),
+    with the decode launches' grids and splits."""
+    lens = [1, 16, 0, 33, 130]
+    k_cache, v_cache, tables, ctx = _paged(lens, 3, 32, 16, torch.float32, seed=9)
+    sums = paged_kv_read_floor(k_cache, v_cache, tables, ctx, 9, max(lens), **launch).sum(-1)
+    nblk = tables.shape[1]
+    kv = gather_kv(k_cache, tables, nblk) + gather_kv(v_cache, tables, nblk)  # [B, kv, L, D]
+    real = torch.arange(kv.shape[2], device=DEV)[None, :] < ctx[:, None]
+    want = (kv * real[:, None, :, None]).sum((2, 3))
+    torch.testing.assert_close(sums, want, rtol=1e-4, atol=1e-3)
 
 
 def test_decode_split_table():

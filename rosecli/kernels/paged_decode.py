@@ -16,6 +16,9 @@ turn. So the launch depends on host-side shapes only (CUDA-graph capturable, no 
 graph, where the bound is the model's maximum, a short context still spreads over the splits
 instead of landing in the first. kv heads and group size are runtime arguments, so shapes that
 differ only there share one compiled kernel.
+
+`paged_kv_read_floor` is the benchmark's companion: the same launch and the same tile loads (`_kv_tile`), summing
+the K/V instead of attending, so its time is the floor the paged reads alone set.
 """
 
 import functools
@@ -74,6 +77,40 @@ def use_pdl(device: torch.device) -> bool:
 
 
 @triton.jit
+def _program_coords(HEAD_MAJOR: tl.constexpr):
+    """(sequence, kv head, split) of this program in either launch order."""
+    if HEAD_MAJOR:
+        return tl.program_id(2), tl.program_id(0), tl.program_id(1)
+    else:
+        return tl.program_id(0), tl.program_id(1), tl.program_id(2)
+
+
+@triton.jit
+def _split_tiles(ctx, s, num_splits, TILE: tl.constexpr):
+    """How many tiles split ``s`` takes: tiles s, s + num_splits, s + 2 * num_splits, ... of this sequence's own
+    length (not the host bound), so any length spreads evenly; the blocks are scattered anyway."""
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx, TILE) - s, 0), num_splits)
+
+
+@triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, kv_heads, kvh, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             HEAD_DIM: tl.constexpr):
+    """K and V [TILE, HEAD_DIM] of tile ``j`` of one sequence's kv head (zeros past its length) and which rows are
+    real tokens. One block-table entry per block of the tile (TILE covers whole blocks), spread over its tokens."""
+    t = tl.arange(0, TILE)
+    d = tl.arange(0, HEAD_DIM)
+    NB: tl.constexpr = TILE // BLOCK_SIZE
+    nb = j * NB + tl.arange(0, NB)
+    blocks = tl.load(bt_row + nb, mask=nb * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+    block = tl.reshape(tl.broadcast_to(blocks[:, None], [NB, BLOCK_SIZE]), [TILE])
+    off = ((block * kv_heads + kvh) * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM
+    tmask = j * TILE + t < ctx
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    return k, v, tmask
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
                    mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
                    kv_heads, group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -81,18 +118,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the merge may launch now: it waits for this whole grid to end before it reads
         gdc_launch_dependents()
-    if HEAD_MAJOR:
-        kvh = tl.program_id(0)
-        s = tl.program_id(1)
-        b = tl.program_id(2)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        s = tl.program_id(2)
+    b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
-    # Split s takes tiles s, s + num_splits, s + 2 * num_splits, ... of this sequence's own length
-    # (not the host bound): any length spreads evenly, and the blocks are scattered anyway.
-    n_tiles = tl.cdiv(tl.maximum(tl.cdiv(ctx, TILE) - s, 0), num_splits)
+    n_tiles = _split_tiles(ctx, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * group + g
@@ -104,19 +132,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
-    t = tl.arange(0, TILE)
     bt_row = block_tables_ptr + b * bt_stride
-    NB: tl.constexpr = TILE // BLOCK_SIZE
     for i in range(0, n_tiles):
-        tok = (s + i * num_splits) * TILE + t
-        tmask = tok < ctx
-        # One block-table entry per block of the tile, spread over its tokens (TILE covers whole blocks).
-        nb = (s + i * num_splits) * NB + tl.arange(0, NB)
-        blocks = tl.load(bt_row + nb, mask=nb * BLOCK_SIZE < ctx, other=0).to(tl.int64)
-        block = tl.reshape(tl.broadcast_to(blocks[:, None], [NB, BLOCK_SIZE]), [TILE])
-        off = ((block * kv_heads + kvh) * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, s + i * num_splits, ctx, kv_heads, kvh, TILE,
+                               BLOCK_SIZE, HEAD_DIM)
         if USE_DOT:  # [M, TILE] on tensor cores; the group is padded to M >= 16 rows
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         else:
@@ -165,6 +184,15 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h, n
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + d, res.to(out_ptr.dtype.element_ty))
 
 
+def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len, overrides):
+    """The launch for a shape (`decode_launch` with ``overrides``, the tile widened to whole blocks) and its grid."""
+    cfg = decode_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len)
+    cfg.update(overrides)
+    cfg["tile"] = max(cfg["tile"], block_size)
+    splits = cfg["splits"]
+    return cfg, (kv_heads, splits, batch) if cfg["head_major"] else (batch, kv_heads, splits)
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None,
                            **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
@@ -179,10 +207,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         out = torch.empty_like(q)
     if batch == 0:
         return out
-    cfg = decode_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len)
-    cfg.update(launch)
-    splits = cfg["splits"]
-    tile = max(cfg["tile"], block_size)  # a tile covers whole blocks
+    cfg, grid = _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len, launch)
+    splits, tile = cfg["splits"], cfg["tile"]
     m = max(16, triton.next_power_of_2(group)) if cfg["use_dot"] else triton.next_power_of_2(group)
     if splits > 1:
         mid_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32, device=q.device)
@@ -190,7 +216,6 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     else:
         mid_o = mid_lse = out
     pdl = splits > 1 and use_pdl(q.device)
-    grid = (kv_heads, splits, batch) if cfg["head_major"] else (batch, kv_heads, splits)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits, M=m,
@@ -202,3 +227,34 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl,
                                       num_warps=1, launch_pdl=pdl)
     return out
+
+
+@triton.jit
+def _read_floor_kernel(k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, sums_ptr, bt_stride, kv_heads,
+                       num_splits, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+                       HEAD_MAJOR: tl.constexpr):
+    b, kvh, s = _program_coords(HEAD_MAJOR)
+    ctx = tl.load(context_lens_ptr + b)
+    n_tiles = _split_tiles(ctx, s, num_splits, TILE)
+    acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b * bt_stride
+    for i in range(0, n_tiles):
+        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, s + i * num_splits, ctx, kv_heads, kvh, TILE,
+                               BLOCK_SIZE, HEAD_DIM)
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(sums_ptr + (b * kv_heads + kvh) * num_splits + s, tl.sum(acc))
+
+
+def paged_kv_read_floor(k_cache, v_cache, block_tables, context_lens, heads, max_context_len, **launch):
+    """[B, kv_heads, splits]: per program, the sum of the K and V elements it reads. The reads are a decode call's:
+    the same launch (grid, splits, tiles, warps, stages) and loads, but no attention and no merge, and one kernel
+    only. For the benchmark: its time is the floor the paged reads alone set, to which the math and the merge add."""
+    batch = context_lens.shape[0]
+    _, kv_heads, block_size, head_dim = k_cache.shape
+    cfg, grid = _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len, launch)
+    sums = torch.empty((batch, kv_heads, cfg["splits"]), dtype=torch.float32, device=k_cache.device)
+    _read_floor_kernel[grid](k_cache, v_cache, block_tables, context_lens, sums, block_tables.stride(0), kv_heads,
+                             cfg["splits"], HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=cfg["tile"],
+                             HEAD_MAJOR=bool(cfg["head_major"]), num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"])
+    return sums

@@ -19,9 +19,13 @@ SDPA runs on the same bytes laid out contiguously, [B, H, L, D]; for GQA the fas
 K/V expanded to every query head counts. The verdict is against SDPA's default backend (on the H100 with
 torch 2.11 that is cuDNN's attention for these shapes: forcing CUDNN_ATTENTION gives the same times); the
 FA2 column holds SDPA to FlashAttention-2. The header also gives a plain streaming read's GB/s measured
-on the spot, a read-only ceiling beside the copy one. Decode bytes per call: K and V of every context token (read
-once) + q read + out written. The table ends with the worst ours/SDPA ratio and where, and the % of the
-copy ceiling at B=64 ctx 1024.
+on the spot, a read-only ceiling beside the copy one. Decode bytes per call: K and V of every context token
+(read once) + q read + out written. The floor columns time `paged_kv_read_floor`: the same launch reading the
+same paged K/V with the same loads, but summing them instead of attending and with no merge, so ours minus
+floor is what the attention math and the merge cost, and a floor at or above SDPA means the scattered reads
+alone are slower than SDPA's whole call on contiguous data. The in-order column is ours/SDPA with each
+sequence's blocks consecutive in the pool (as a fresh pool hands them out) instead of shuffled. The table ends
+with the worst ours/SDPA ratio and where, and the % of the copy ceiling at B=64 ctx 1024.
 
 The sweeps search decode launches per batch x kv heads (the launch table's key) over the table's points
 of that key, scoring a launch by its worst and mean ours/SDPA ratio (graph), starting from the table,
@@ -50,7 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rosecli.kernels import launch_table  # noqa: E402
 from rosecli.kernels.launch_table import DecodeLaunch  # noqa: E402
-from rosecli.kernels.paged_decode import decode_launch, paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from rosecli.kernels.paged_decode import (decode_launch, paged_decode_attention,  # noqa: E402
+                                          paged_decode_attention_ref, paged_kv_read_floor)
 from rosecli.kernels.prefill_attention import (paged_prefill_attention, paged_prefill_attention_ref,  # noqa: E402
                                                prefill_launch)
 from rosecli.kernels.store_kv import store_kv_cache, store_kv_cache_ref  # noqa: E402
@@ -170,6 +175,9 @@ def bench_decode(shape, batch, ctx, heads, kv_heads) -> dict:
     sets = decode_sets(batch, ctx, heads, kv_heads, n_sets(nbytes))
     fns = ours_fns(sets, ctx)
     us, bench_us_ = graph_us(fns), do_bench_us(fns)
+    floor_us = graph_us([lambda s=s: paged_kv_read_floor(s[1], s[2], s[3], s[4], heads, ctx) for s in sets])
+    in_order = torch.arange(sets[0][3].numel(), device=DEVICE, dtype=torch.int32).view_as(sets[0][3])
+    in_order_us = graph_us(ours_fns([(q, k, v, in_order, lens) for q, k, v, _, lens in sets], ctx))
     del fns, sets
     sdpa = time_sdpa(batch, ctx, heads, kv_heads, n_sets(nbytes), flash=True)
     flash_us = min((t for k, (t, _) in sdpa.items() if k.startswith("flash ")), default=math.nan)
@@ -181,7 +189,8 @@ def bench_decode(shape, batch, ctx, heads, kv_heads) -> dict:
             "kv_heads": kv_heads, "launch": decode_launch(batch, heads, kv_heads, HEAD_DIM, BLOCK_SIZE, ctx),
             "us": us, "GB/s": gbs, "pct_ceiling": 100 * gbs / CEILING_GBS, "sdpa_us": sdpa_us,
             "ours_over_sdpa": us / sdpa_us, "sdpa_layout": layout, "do_bench_us": bench_us_,
-            "sdpa_do_bench_us": sdpa_bench_us, "sdpa_all": sdpa, "flash_us": flash_us}
+            "sdpa_do_bench_us": sdpa_bench_us, "sdpa_all": sdpa, "flash_us": flash_us, "floor_us": floor_us,
+            "in_order_us": in_order_us}
 
 
 @triton.jit
@@ -279,7 +288,8 @@ def run_table(decode_only: bool) -> list[dict]:
           f"FlashAttention-2 (FA2) on contiguous [B, H, L, D]; % of the {CEILING_GBS:.0f} GB/s copy ceiling; "
           f"plain streaming read measured now: {read_gbs:.0f} GB/s; verdict by CUDA-graph time against SDPA")
     print(f"{'shape':>8} {'B':>4} {'ctx':>5} {'spl':>3} | {'graph us':>8} {'GB/s':>6} {'%ceil':>6} {'SDPA us':>8} "
-          f"{'ours/SDPA':>9} {'FA2 us':>8} {'ours/FA2':>8} | {'do_bench':>8} {'SDPA':>8} | verdict")
+          f"{'ours/SDPA':>9} {'FA2 us':>8} {'ours/FA2':>8} | {'floor us':>8} {'fl/SDPA':>7} {'in-order':>8} | "
+          f"{'do_bench':>8} {'SDPA':>8} | verdict")
     for name, (heads, kv) in SHAPES.items():
         for batch in BATCHES:
             for ctx in CONTEXTS:
@@ -288,10 +298,18 @@ def run_table(decode_only: bool) -> list[dict]:
                 print(f"{name:>8} {batch:4d} {ctx:5d} {r['launch']['splits']:3d} | {r['us']:8.1f} {r['GB/s']:6.0f} "
                       f"{r['pct_ceiling']:5.1f}% {r['sdpa_us']:8.1f} {r['ours_over_sdpa']:8.2f}x "
                       f"{r['flash_us']:8.1f} {r['us'] / r['flash_us']:7.2f}x | "
+                      f"{r['floor_us']:8.1f} {r['floor_us'] / r['sdpa_us']:6.2f}x "
+                      f"{r['in_order_us'] / r['sdpa_us']:7.2f}x | "
                       f"{r['do_bench_us']:8.1f} {r['sdpa_do_bench_us']:8.1f} | "
                       f"{'ok' if r['ours_over_sdpa'] <= 1 else 'SLOWER'} ({r['sdpa_layout']})", flush=True)
                 torch.cuda.empty_cache()
     print(summary_line(rows, "us", "table launches"))
+    slower = [r for r in rows if r["ours_over_sdpa"] > 1]
+    print(f"read floor (the same launch and paged loads, no attention math, no merge): at "
+          f"{sum(r['floor_us'] >= r['sdpa_us'] for r in slower)} of the {len(slower)} slower points the reads alone "
+          f"take as long as SDPA's whole call or longer; "
+          + "; ".join(f"{r['shape']} B={r['batch']} ctx {r['context']}: floor {r['floor_us'] / r['sdpa_us']:.2f}x, "
+                      f"ours {r['ours_over_sdpa']:.2f}x" for r in slower), flush=True)
     print(f"read ceiling: a plain Triton streaming read reaches {read_gbs:.0f} GB/s; at B=64 ctx 1024 ours reads at "
           + ", ".join(f"{r['shape']} {r['GB/s'] / read_gbs * 100:.1f}%" for r in rows
                       if r["batch"] == 64 and r["context"] == 1024) + " of it; ours/FA2 worst "

@@ -402,9 +402,7 @@ def sweep_decode(passes: int, budget_s: float) -> tuple[list, list]:
         def times_of(row: DecodeLaunch) -> list[float]:
             out = []
             for i, ((_, _, ctx, _, _), sets, _, _) in enumerate(data):
-                launch = {"splits": launch_table.capped_splits(row, ctx, BLOCK_SIZE), "tile": row.tile,
-                          "num_warps": row.num_warps, "num_stages": row.num_stages, "head_major": row.head_major,
-                          "use_dot": row.use_dot}
+                launch = launch_table.row_launch(row, ctx, BLOCK_SIZE)
                 ck = (i, tuple(launch.values()))
                 if ck not in cache:
                     try:
@@ -464,8 +462,7 @@ def check_launch(row: DecodeLaunch, data) -> tuple[bool, str]:
     """The swept launch against the torch reference on the key's longest point."""
     (_, _, ctx, _, _), sets, _, _ = max(data, key=lambda d: d[0][2])
     q, k_cache, v_cache, tables, lens = sets[0]
-    launch = {"splits": launch_table.capped_splits(row, ctx, BLOCK_SIZE), "tile": row.tile, "num_warps": row.num_warps,
-              "num_stages": row.num_stages, "head_major": row.head_major, "use_dot": row.use_dot}
+    launch = launch_table.row_launch(row, ctx, BLOCK_SIZE)
     out = paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE, ctx, **launch).float()
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, SCALE, ctx)
     err = ((out - ref).norm() / ref.norm()).item()

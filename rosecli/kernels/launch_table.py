@@ -77,6 +77,15 @@ def lookup(rows, key):
     raise ValueError(f"no launch-table row covers {key}")
 
 
+def row_launch(row: DecodeLaunch, max_context_len: int, block_size: int) -> dict:
+    """The kernel launch ``row`` gives at a context bound: its fields, with the split count capped (`capped_splits`)
+    in place of ``splits`` and ``min_split_tokens``."""
+    launch = row._asdict()
+    del launch["min_split_tokens"]
+    launch["splits"] = capped_splits(row, max_context_len, block_size)
+    return launch
+
+
 def capped_splits(row: DecodeLaunch, max_context_len: int, block_size: int = 1) -> int:
     """``row``'s split count, capped so no split covers less than its minimum, nor one tile, of the bound.
     A tile covers whole KV blocks (the kernel widens a tile below ``block_size`` to one block)."""

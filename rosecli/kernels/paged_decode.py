@@ -65,8 +65,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                   max_context_len: int) -> dict:
     """The fixed launch parameters for a shape (see `launch_table`)."""
-    row = launch_table.lookup(launch_table.DECODE, batch * kv_heads)
-    return dict(row._asdict(), splits=launch_table.capped_splits(row, max_context_len, block_size))
+    return launch_table.row_launch(launch_table.lookup(launch_table.DECODE, batch * kv_heads), max_context_len,
+                                   block_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,8 +189,7 @@ def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_l
     cfg = decode_launch(batch, heads, kv_heads, head_dim, block_size, max_context_len)
     cfg.update(overrides)
     cfg["tile"] = max(cfg["tile"], block_size)
-    splits = cfg["splits"]
-    return cfg, (kv_heads, splits, batch) if cfg["head_major"] else (batch, kv_heads, splits)
+    return cfg, (kv_heads, cfg["splits"], batch) if cfg["head_major"] else (batch, kv_heads, cfg["splits"])
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None,

@@ -1,6 +1,7 @@
-"""The CPU fast paths against their references: int8 weights against the float model, the
-per-step attention plan against the per-layer torch references, and the rewritten norm and
-rotary against the formulas they replace."""
+"""The CPU fast paths against their references: each --cpu-weights representation against the
+float model, the per-step attention plan against the per-layer torch references, and the
+rewritten norm and rotary against the formulas they replace. (The real default model's
+agreement bars are in tests/test_default_model.py.)"""
 
 import copy
 
@@ -14,7 +15,8 @@ from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 from rosecli.engine.kv_cache import allocate_kv_cache
 from rosecli.engine.models.common import RMSNorm, RotaryEmbedding, apply_rotary
-from rosecli.engine.models.quant import Int8Linear, int8_linear_supported, quantize_for_cpu
+from rosecli.engine.models.quant import (Float16Linear, Int4Linear, Int8Linear, int4_groups, int4_is_exact,
+                                         int4_linear_supported, int8_linear_supported, prepare_cpu_weights)
 from rosecli.engine.runner import ModelRunner
 from rosecli.engine.scheduler import Scheduler
 from rosecli.kernels.paged_decode import paged_decode_attention_ref
@@ -22,7 +24,10 @@ from rosecli.kernels.store_kv import store_kv_cache_ref
 
 KINDS = ["llama", "gpt2", "qwen2"]
 needs_int8 = pytest.mark.skipif(not int8_linear_supported(), reason="torch has no _weight_int8pack_mm")
-INT8_LOGITS_TOL = 2e-2  # relative Frobenius error of the logits, int8 vs float
+needs_int4 = pytest.mark.skipif(not int4_linear_supported(), reason="torch has no int4 CPU matmul")
+# relative Frobenius error of the logits against float, per representation, on random tiny models
+# (int4 quantizes these float weights to 16 levels per group: lossy here, exact on a Q4 GGUF)
+LOGITS_TOL = {"int8": 2e-2, "int4": 0.12, "float16": 2e-3, "auto": 2e-3}
 
 
 def _rel(a, b):
@@ -49,23 +54,28 @@ def _greedy(model, prompts, n=24):
 
 
 @needs_int8
+@needs_int4
+@pytest.mark.parametrize("cpu_weights", ["int8", "int4", "float16", "auto"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_int8_logits_close_to_float(kind):
+def test_cpu_weights_logits_close_to_float(kind, cpu_weights):
     ref_model = our_model(tiny_hf_model(kind, seed=11))
-    model = quantize_for_cpu(copy.deepcopy(ref_model))
+    model = prepare_cpu_weights(copy.deepcopy(ref_model), cpu_weights)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
-    assert isinstance(model.lm_head, Int8Linear)
+    head = {"int8": Int8Linear}.get(cpu_weights, Float16Linear)
+    assert isinstance(model.lm_head, head)
     ids = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(12)).tolist()
     ref, out = _prefill_logits(ref_model, ids), _prefill_logits(model, ids)
     assert out.dtype == torch.float32
-    assert _rel(out, ref) < INT8_LOGITS_TOL
+    assert _rel(out, ref) < LOGITS_TOL[cpu_weights]
 
 
 @needs_int8
+@needs_int4
+@pytest.mark.parametrize("cpu_weights", ["int8", "int4"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_int8_greedy_tokens_mostly_agree_with_float(kind):
+def test_quantized_greedy_tokens_mostly_agree_with_float(kind, cpu_weights):
     ref_model = our_model(tiny_hf_model(kind, seed=13))
-    model = quantize_for_cpu(copy.deepcopy(ref_model))
+    model = prepare_cpu_weights(copy.deepcopy(ref_model), cpu_weights)
     g = torch.Generator().manual_seed(14)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 12, 20, 31, 5, 9, 16)]
     ref, out = _greedy(ref_model, prompts), _greedy(model, prompts)
@@ -82,13 +92,69 @@ def test_int8_linear_matches_dequantized_weights():
     with torch.no_grad():
         lin.weight.copy_(torch.randn(40, 96, generator=g) * 0.05)
         lin.bias.copy_(torch.randn(40, generator=g))
-    q = Int8Linear.from_linear(lin)
+    q = Int8Linear(lin.weight, lin.bias)
     x = torch.randn(5, 96, generator=g)
     deq = q.weight.float() * q.scales.float()[:, None]
     assert (deq - lin.weight).abs().max() <= q.scales.float().max() / 2 + 1e-6  # rounding only
     ref = F.linear(x.bfloat16().float(), deq) + lin.bias
     assert _rel(q(x), ref) < 1e-2  # bfloat16 accumulation and output rounding
     assert _rel(q(x), lin(x)) < 2e-2
+
+
+def _q4_1_weight(out_f, in_f, seed):
+    """A weight as llama.cpp's Q4_1 stores and dequantizes it: per block of 32, float16 ``d`` and ``m``
+    from the block's min and max, codes 0..15, ``w = d * q + m``."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(out_f, in_f // 32, 32, generator=g) * 0.05)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15)
+    q = torch.clamp(((x - lo) / d + 0.5).floor(), 0, 15)
+    return (q * d.half().float() + lo.half().float()).reshape(out_f, in_f)
+
+
+@needs_int4
+def test_int4_reads_q4_1_weights_back_exactly():
+    w = _q4_1_weight(40, 96, 20)
+    assert int4_is_exact(w)
+    q, d, lo = int4_groups(w)
+    assert torch.equal((q.view(40, 3, 32).float() * d[..., None] + lo[..., None]).view(40, 96), w)
+    assert not int4_is_exact(w + 1e-4 * torch.randn(40, 96, generator=torch.Generator().manual_seed(21)))
+    assert not int4_is_exact(torch.randn(8, 48))  # width not a multiple of the group
+
+
+@needs_int4
+def test_int4_linear_is_the_dequantized_matmul_in_bfloat16():
+    """The kernel's only roundings: bfloat16 activations, scales/offsets and output."""
+    w = _q4_1_weight(64, 128, 22)
+    g = torch.Generator().manual_seed(23)
+    bias = torch.randn(64, generator=g)
+    lin = Int4Linear(w, bias)
+    x = torch.randn(5, 128, generator=g)
+    ref = F.linear(x, w) + bias
+    assert _rel(lin(x), ref) < 1e-2
+    assert _rel(lin(x), F.linear(x.bfloat16().float(), w) + bias) < 6e-3
+
+
+def test_float16_linear_rounds_weights_once():
+    g = torch.Generator().manual_seed(24)
+    w, bias, x = torch.randn(48, 80, generator=g) * 0.05, torch.randn(48, generator=g), torch.randn(3, 80, generator=g)
+    lin = Float16Linear(w, bias)
+    assert lin.weight.dtype == torch.float16 and lin(x).dtype == torch.float32
+    assert _rel(lin(x), F.linear(x, w) + bias) < 2e-3
+
+
+@needs_int4
+def test_auto_reads_4bit_mlp_layers_as_int4_and_the_rest_as_float16():
+    model = our_model(tiny_hf_model("llama", seed=25))
+    layer = model.layers[0]
+    with torch.no_grad():
+        for lin in (layer.gate_up_proj, layer.qkv_proj):
+            lin.weight.copy_(_q4_1_weight(*lin.weight.shape, 26))
+    prepare_cpu_weights(model, "auto")
+    assert isinstance(model.layers[0].gate_up_proj, Int4Linear)
+    assert isinstance(model.layers[0].qkv_proj, Float16Linear)  # 4-bit, but an attention projection
+    assert isinstance(model.layers[0].down_proj, Float16Linear)  # random float weights: not 4-bit
+    assert isinstance(model.lm_head, Float16Linear)
 
 
 def _engine_tokens(tiny_engine_factory, cpu_weights):
@@ -100,22 +166,27 @@ def _engine_tokens(tiny_engine_factory, cpu_weights):
 
 def test_cpu_weights_float_is_the_loaded_model_unchanged(tiny_engine_factory):
     engine, tokens, prompts = _engine_tokens(tiny_engine_factory, "float")
-    assert not any(isinstance(m, Int8Linear) for m in engine.loaded.model.modules())
+    assert not any(isinstance(m, (Int8Linear, Int4Linear, Float16Linear)) for m in engine.loaded.model.modules())
     # the same weights driven without the engine: bit-identical logits give identical tokens
     model = copy.deepcopy(engine.loaded.model)
     assert _greedy(model, prompts, 16) == tokens
 
 
-@needs_int8
-def test_cpu_weights_int8_is_the_default_on_cpu(tiny_engine_factory):
-    assert EngineConfig().cpu_weights == "int8"
-    engine, _, _ = _engine_tokens(tiny_engine_factory, "int8")
-    assert any(isinstance(m, Int8Linear) for m in engine.loaded.model.modules())
+@needs_int4
+def test_cpu_weights_auto_is_the_default_on_cpu(tiny_engine_factory):
+    assert EngineConfig().cpu_weights == "auto"
+    engine, _, _ = _engine_tokens(tiny_engine_factory, "auto")
+    # random dummy weights are not 4-bit: every layer float16
+    assert isinstance(engine.loaded.model.lm_head, Float16Linear)
+    assert not any(type(m) is torch.nn.Linear for m in engine.loaded.model.modules())
 
 
-def test_cpu_weights_is_validated():
-    with pytest.raises(ConfigError, match="--cpu-weights must be one of int8, float"):
-        EngineConfig(cpu_weights="int4")
+def test_cpu_weights_and_threads_are_validated():
+    with pytest.raises(ConfigError, match="--cpu-weights must be one of auto, int4, float16, int8, float"):
+        EngineConfig(cpu_weights="int2")
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ConfigError, match="--threads must be an integer between 1 and 1024"):
+            EngineConfig(threads=bad)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])

@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
 
 
 def _config(cache_dir, model, **kw):
+    kw.setdefault("cpu_weights", "float")  # the weights as loaded (tests/test_cpu_fast_path.py covers the rest)
     return EngineConfig(model=model, cache_dir=cache_dir, show_progress=False, **kw)
 
 

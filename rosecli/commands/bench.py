@@ -47,7 +47,7 @@ def _config_dict(config, spec, params, **extra) -> dict:
 
 @o.user_errors
 def stream(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto",
     device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
     prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
@@ -98,7 +98,7 @@ def stream(
 
 @o.user_errors
 def sched(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto",
     device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
     prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,

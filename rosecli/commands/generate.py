@@ -20,7 +20,7 @@ def generate(
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template. "
                                                  "Default: on for instruct models (those with a chat "
                                                  "template, such as smollm2-135m), off otherwise.")] = None,
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "int8", load_format: o.LoadFormat = "auto", device: o.Device = "auto",
+    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
     dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
     block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None,
     gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from rosecli.engine.config import EngineConfig, SamplingParams
+from rosecli.engine.config import EngineConfig, SamplingParams, default_threads
 from rosecli.engine.errors import RoseError
 
 ENGINE = "Engine"
@@ -60,9 +60,14 @@ StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush st
 TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
                                               "the engine thread (0: tokenize on the caller's thread).",
                                               rich_help_panel=ENGINE)]
-CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU: int8 (int8 weight-only linear layers "
-                                         "with bfloat16 activations, faster) or float (the weights as loaded, the "
-                                         "reference).", rich_help_panel=ENGINE)]
+CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU, what the linear layers read: auto (4-bit "
+                                         "codes where the weights are 4-bit, as in a Q4 GGUF; float16 elsewhere) | "
+                                         "int4 | float16 | int8 | float (as loaded, the reference). docs/cpu.md "
+                                         "has each one's speed and agreement.", rich_help_panel=ENGINE)]
+Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the model's math. Default: "
+                                                "the CPUs this process may use less those other programs keep "
+                                                f"busy at start ({default_threads()} now).",
+                                                rich_help_panel=ENGINE)]
 CacheDir = Annotated[Optional[str], typer.Option("--cache-dir", envvar="ROSE_CACHE_DIR", help="Where converted "
                                                  "models are cached (default ~/.cache/rosecli).",
                                                  rich_help_panel=ENGINE)]
@@ -96,7 +101,8 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
                   overlap_schedule: Optional[bool] = None, nvtx: bool = False,
                   stream_interval: int = 1, tokenize_workers: int = 0,
                   max_inflight_requests: Optional[int] = None, cache_dir: Optional[str] = None,
-                  cpu_weights: str = "int8", show_progress: bool = True) -> EngineConfig:
+                  cpu_weights: str = "auto", threads: Optional[int] = None,
+                  show_progress: bool = True) -> EngineConfig:
     return EngineConfig(
         model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
         max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
@@ -106,7 +112,7 @@ def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed
         paged_attn=paged_attn, cuda_graph=cuda_graph, overlap_schedule=overlap_schedule, nvtx=nvtx,
         stream_interval=stream_interval,
         tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
-        cpu_weights=cpu_weights, show_progress=show_progress)
+        cpu_weights=cpu_weights, threads=threads, show_progress=show_progress)
 
 
 def sampling_params(*, max_new_tokens: int, temperature: Optional[float], top_k: int, top_p: float,

@@ -7,6 +7,7 @@ Every `rose` subcommand builds one `EngineConfig` from the same options
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -15,9 +16,34 @@ from rosecli.engine.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
-CPU_WEIGHTS = ("int8", "float")
+CPU_WEIGHTS = ("auto", "int4", "float16", "int8", "float")  # rosecli/engine/models/quant.py
 
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity set: taskset and container limits count), less
+    those other programs keep busy right now (runnable tasks in /proc/loadavg), at least one.
+
+    Why not simply all of them: torch's threads meet at a barrier after every operation, hundreds of
+    times a token, so one thread that loses its core to another program stalls all of them. Measured
+    on 2 cores with other work running: 163 ms a token with 2 threads, 17 ms with 1.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - _busy_cpus())
+
+
+def _busy_cpus() -> int:
+    """Tasks other than this one that are running or waiting for a CPU at this moment (Linux; else 0)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, running - 1)  # the reading thread counts itself
 
 
 def _check(cond: bool, message: str) -> None:
@@ -41,9 +67,12 @@ class EngineConfig:
     load_format: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    # On CPU only: "int8" = int8 weight-only linear layers with bfloat16 activations (faster);
-    # "float" = the weights as loaded (the reference)
-    cpu_weights: str = "int8"
+    # On CPU only: what the linear layers read per token (rosecli/engine/models/quant.py). "auto":
+    # 4-bit groups where the weights are exactly 4-bit (a Q4 GGUF), float16 elsewhere; "float": the
+    # weights as loaded (the reference)
+    cpu_weights: str = "auto"
+    # torch's intra-op threads for the model's math on CPU (None: `default_threads()`)
+    threads: Optional[int] = None
     seed: int = 0
     max_model_len: Optional[int] = None
     # KV cache
@@ -79,6 +108,8 @@ class EngineConfig:
                f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.cpu_weights in CPU_WEIGHTS,
                f"--cpu-weights must be one of {', '.join(CPU_WEIGHTS)}, got {self.cpu_weights!r}")
+        if self.threads is not None:
+            _check_int("--threads", self.threads, 1, 1024)
         _check_int("--seed", self.seed, 0)
         if self.max_model_len is not None:
             _check_int("--max-model-len", self.max_model_len, 1)

@@ -25,9 +25,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from rosecli.engine import file_check
 from rosecli.engine.errors import ModelLoadError
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the marker lists each file's size and checksum
 MARKER = "rosecli-converted.json"
 
 _LAYER_NAMES = {
@@ -160,8 +161,9 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
         st = os.stat(path)
+        files = file_check.manifest(tmp, sorted(f.name for f in tmp.iterdir()))
         (tmp / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION, "source": os.path.abspath(path),
-                                              "size": st.st_size, "mtime": int(st.st_mtime)}))
+                                              "size": st.st_size, "mtime": int(st.st_mtime), "files": files}))
         _chmod_tree(tmp)
         if progress:
             progress("convert", total, total)
@@ -198,3 +200,18 @@ def is_converted(out_dir: Path, source: str) -> bool:
         return False
     return (info.get("converter_version") == CONVERTER_VERSION and info.get("size") == st.st_size
             and info.get("mtime") == int(st.st_mtime))
+
+
+def check_converted(out_dir: Path) -> None:
+    """Raise a `ModelLoadError` naming the damage if a converted cache's files are not as written
+    (cut short, changed, missing); a directory we did not convert is left alone."""
+    marker = Path(out_dir) / MARKER
+    if not marker.is_file():
+        return
+    try:
+        wrong = file_check.first_mismatch(out_dir, json.loads(marker.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        wrong = f"{MARKER} cannot be read ({type(e).__name__})"
+    if wrong:
+        raise ModelLoadError(f"the converted model cache {out_dir} is corrupt: {wrong}. Delete that directory; "
+                             "the next start converts the model again")

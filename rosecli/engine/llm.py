@@ -10,9 +10,8 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from rosecli.engine.config import EngineConfig, SamplingParams
+from rosecli.engine.config import EngineConfig, SamplingParams, default_threads
 from rosecli.engine.errors import ConfigError
-from rosecli.engine.models.quant import quantize_for_cpu
 from rosecli.engine.runner import ModelRunner
 from rosecli.engine.scheduler import Scheduler
 from rosecli.engine.sequence import Sequence
@@ -50,10 +49,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.stages = stages or Stages(nvtx=config.nvtx)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.threads or default_threads())
         t0 = time.perf_counter()
         self.loaded = load_model(config, self.device, self.dtype, progress)
-        if self.device.type == "cpu" and config.cpu_weights == "int8":
-            quantize_for_cpu(self.loaded.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.startup_times: dict[str, float] = {"model_load_s": time.perf_counter() - t0}

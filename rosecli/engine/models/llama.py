@@ -77,7 +77,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        # None when tied to the embedding (`quantize_for_cpu` may set a quantized copy)
+        # None when tied to the embedding (`prepare_cpu_weights` may set a copy in another representation)
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads

@@ -460,10 +460,11 @@ def validation_error(errors: list[dict]) -> APIError:
     if not errors:
         return bad_request("the request body is invalid")
     e = errors[0]
-    loc = [str(part) for part in e.get("loc", ()) if part != "body"]
+    loc = list(e.get("loc", ()))
     # pydantic names the member of a union it tried ("str", "list[int]"): not a field
-    fields = [part for part in loc if not any(c in part for c in "[]-") and part not in _TYPE_TAGS]
-    param = ".".join(fields) or None
+    fields = [part for part in loc if isinstance(part, int)
+              or not any(c in part for c in "[]-") and part not in _TYPE_TAGS]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in fields).lstrip(".") or None
     where = f"{param}: " if param else ""
     if e.get("type") == "missing":
         return bad_request(f"{where}this field is required", param, MISSING_PARAMETER)

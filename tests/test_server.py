@@ -344,7 +344,13 @@ def test_metrics_parse(http, client):
         assert m[(hist + "_sum", frozenset())] > 0
 
 
-def test_profile_endpoints(http, client):
+def test_profile_endpoints(http, client, monkeypatch):
+    import rosecli.server.app as server_app
+
+    export = server_app._export_trace
+    exported_on = []
+    monkeypatch.setattr(server_app, "_export_trace",
+                        lambda prof, path: exported_on.append(threading.current_thread().name) or export(prof, path))
     # only a JSON POST: a cross-site form post (a "simple" request, no CORS preflight) cannot start it
     r = http.post("/start_profile", data={"seconds": "1"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
@@ -355,16 +361,18 @@ def test_profile_endpoints(http, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == "seconds", seconds
     r = http.post("/start_profile", json={"seconds": 60})
     assert r.status_code == 200 and r.json()["seconds"] == 60
+    assert http.post("/start_profile", json={"seconds": 60.5}).status_code == 400  # bounded
     assert http.post("/start_profile", json={}).status_code == 400
     client.completions.create(model=MODEL, prompt="profile me", max_tokens=3, **GREEDY)
     r = http.post("/stop_profile", json={})
     assert r.status_code == 200
     with open(r.json()["trace"]) as f:
         assert "traceEvents" in json.load(f)
+    assert exported_on and all(not name.startswith("rose-engine") for name in exported_on)  # not the engine's
 
     # the window is bounded: it stops and writes its trace by itself
     r = http.post("/start_profile", headers={"content-type": "application/json"})  # no body: the default
-    assert r.status_code == 200 and r.json()["seconds"] == 10
+    assert r.status_code == 200 and r.json()["seconds"] == 5
     assert http.post("/stop_profile", json={}).status_code == 200
     r = http.post("/start_profile", json={"seconds": 0.3})
     trace = r.json()["trace"]

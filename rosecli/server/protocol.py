@@ -15,7 +15,6 @@ that passes these checks cannot overflow a tensor or a generator seed further do
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 import uuid
@@ -267,7 +266,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
                                 prompt_param)
     max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        max_tokens = room if default_max_tokens is None else default_max_tokens
     elif max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
     if prompt_tokens + max_tokens > max_model_len:

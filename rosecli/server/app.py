@@ -367,6 +367,8 @@ class _Server:
         if self.room is not None:
             await self.room.acquire()
         try:
+            if self.closing:  # the shutdown timeout ran out while this request waited for room
+                raise p.shutting_down()
             while True:
                 try:
                     rid = self.manager.add_request(ids, params, wait=False, sink=self.bridge.sink)

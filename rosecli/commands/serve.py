@@ -63,8 +63,6 @@ def serve_local(
         from rosecli.server.uvicorn_server import PortInUseError, bind_socket, make_server
     except ImportError as e:
         o.fail(f"rose serve-local needs the server extras ({e.name} is missing): pip install 'rosecli[serve]'")
-    from rosecli.engine.llm import LLMEngine
-    from rosecli.engine.streaming import StreamingManager
 
     if overload not in OVERLOAD_MODES:
         o.fail(f"--overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
@@ -80,6 +78,9 @@ def serve_local(
         sock = bind_socket(host, port)  # before the model loads: a taken port fails in a moment
     except PortInUseError as e:
         o.fail(str(e), code=1)
+    from rosecli.engine.llm import LLMEngine  # torch: seconds to import, after the port is ours
+    from rosecli.engine.streaming import StreamingManager
+
     err = Console(stderr=True)
     try:
         with startup_progress(err) as progress:

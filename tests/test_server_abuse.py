@@ -244,6 +244,9 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http,
     calls = []
     real = live.engine.scheduler.encode
     monkeypatch.setattr(live.engine.scheduler, "encode", lambda text: calls.append(len(text)) or real(text))
+    real_chat = live.engine.tokenizer.apply_chat_template
+    monkeypatch.setattr(live.engine.tokenizer, "apply_chat_template",
+                        lambda messages, **kw: calls.append("chat") or real_chat(messages, **kw))
     text = "a" * (server.max_prompt_chars + 1)
     assert len(json.dumps({"prompt": text})) < MAX_BYTES  # under the size limit: this check refuses it
     err = assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": text}), 400, "prompt",
@@ -252,6 +255,9 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http,
     parts = [{"type": "text", "text": text[:20000]}, {"type": "text", "text": text[20000:]}]
     assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
         {"role": "user", "content": parts}]}), 400, "messages", "context_length_exceeded")
+    many = [{"role": "user", "content": ""}] * (live.engine.max_model_len + 1)
+    assert_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": many}), 400, "messages",
+                 "context_length_exceeded")
     assert calls == []
     # at the bound itself the prompt is tokenized (and then found too long in tokens)
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": text[:-1]}), 400, "prompt",

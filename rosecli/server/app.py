@@ -325,6 +325,11 @@ class _Server:
     def check_prompt_chars(self, req: p.SamplingRequest, param: str) -> None:
         """Refuse, without tokenizing it, a prompt with more characters than the context can hold
         tokens of: no token covers more characters than the longest vocabulary entry."""
+        messages = len(getattr(req, "messages", ()))
+        if messages > self.max_model_len:  # a chat template spends at least a token on each message
+            raise p.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your conversation has {messages} messages: shorten it.", param,
+                                p.CONTEXT_LENGTH_EXCEEDED)
         chars = p.prompt_chars(req)
         if chars > self.max_prompt_chars:
             raise p.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "

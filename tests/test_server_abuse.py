@@ -263,6 +263,9 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http,
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": text[:-1]}), 400, "prompt",
                  "context_length_exceeded")
     assert calls == [len(text) - 1]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and calls[-1] == "chat"  # the spy does see the template rendered
 
 
 def test_one_slow_prompt_does_not_hold_the_others(live, http, monkeypatch):

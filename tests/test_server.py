@@ -4,6 +4,7 @@ tokenizer), driven by the official openai client and raw httpx."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
@@ -12,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from rosecli.engine.config import EngineConfig
 from rosecli.engine.llm import LLMEngine
 from rosecli.engine.streaming import StreamingManager
 from rosecli.server.app import create_app
+from rosecli.server.uvicorn_server import make_server
 
 MODEL = "tiny-llama"
 KEY = "sk-test-key"
@@ -28,19 +29,21 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 class LiveServer:
     """One engine + manager + app on uvicorn in a background thread, on a free loopback port."""
 
-    def __init__(self, cache_dir: str, api_key=None, profile_dir=None, **engine_kw):
+    def __init__(self, cache_dir: str, api_key=None, profile_dir=None, read_timeout=30.0, shutdown_timeout=5.0,
+                 max_request_bytes=4 * 1024 * 1024, **engine_kw):
         self.engine = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", device="cpu", cache_dir=cache_dir,
                                              show_progress=False, **engine_kw))
         self.manager = StreamingManager(self.engine)
         self.dead_calls = 0
-        app = create_app(self.manager, self.engine, api_key=api_key, served_model_name=MODEL,
-                         profile_dir=profile_dir, on_engine_dead=self._on_dead)
+        self.app = create_app(self.manager, self.engine, api_key=api_key, served_model_name=MODEL,
+                              profile_dir=profile_dir, on_engine_dead=self._on_dead,
+                              max_request_bytes=max_request_bytes, read_timeout=read_timeout)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.server = make_server(self.app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout,
+                                  log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -341,15 +344,44 @@ def test_metrics_parse(http, client):
         assert m[(hist + "_sum", frozenset())] > 0
 
 
-def test_profile_endpoints(http, client):
-    assert http.post("/stop_profile").status_code == 400
-    assert http.post("/start_profile").status_code == 200
-    assert http.post("/start_profile").status_code == 400
+def test_profile_endpoints(http, client, monkeypatch):
+    import rosecli.server.app as server_app
+
+    export = server_app._export_trace
+    exported_on = []
+    monkeypatch.setattr(server_app, "_export_trace",
+                        lambda prof, path: exported_on.append(threading.current_thread().name) or export(prof, path))
+    # only a JSON POST: a cross-site form post (a "simple" request, no CORS preflight) cannot start it
+    r = http.post("/start_profile", data={"seconds": "1"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+    assert http.post("/start_profile", content=b"{}").status_code == 415  # no content type at all
+    assert http.post("/stop_profile", json={}).status_code == 400
+    for seconds in (0, -1, 1e9, "10", True, None):
+        r = http.post("/start_profile", json={"seconds": seconds})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seconds", seconds
+    r = http.post("/start_profile", json={"seconds": 60})
+    assert r.status_code == 200 and r.json()["seconds"] == 60
+    assert http.post("/start_profile", json={"seconds": 60.5}).status_code == 400  # bounded
+    assert http.post("/start_profile", json={}).status_code == 400
     client.completions.create(model=MODEL, prompt="profile me", max_tokens=3, **GREEDY)
-    r = http.post("/stop_profile")
+    r = http.post("/stop_profile", json={})
     assert r.status_code == 200
     with open(r.json()["trace"]) as f:
         assert "traceEvents" in json.load(f)
+    assert exported_on and all(not name.startswith("rose-engine") for name in exported_on)  # not the engine's
+
+    # the window is bounded: it stops and writes its trace by itself
+    r = http.post("/start_profile", headers={"content-type": "application/json"})  # no body: the default
+    assert r.status_code == 200 and r.json()["seconds"] == 5
+    assert http.post("/stop_profile", json={}).status_code == 200
+    r = http.post("/start_profile", json={"seconds": 0.3})
+    trace = r.json()["trace"]
+    client.completions.create(model=MODEL, prompt="profile me", max_tokens=3, **GREEDY)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(trace):
+        assert time.monotonic() < deadline, "the profiling window did not end by itself"
+        time.sleep(0.05)
+    assert http.post("/stop_profile", json={}).status_code == 400  # already stopped
 
 
 # --- overload and engine death (their own server) --------------------------------------------
@@ -373,8 +405,13 @@ def test_overload_then_engine_death(cache_dir):
                 rest = [line for line in lines if line]
             assert rest[-1] == "data: [DONE]"
             err = json.loads(rest[-2][len("data: "):])["error"]
-            assert "simulated device failure" in err["message"]
-            assert http.get("/health").status_code == 503
+            assert err["code"] == "engine_dead" and err["type"] == "server_error"
+            assert "simulated" not in err["message"]  # the log has the exception, the client does not
+            assert json.loads(rest[-3][len("data: "):])["choices"][0]["finish_reason"] == "error"
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+            assert "simulated" not in health.text
+            assert http.post("/start_profile", json={}).status_code == 404  # no --profile-dir
             r = http.post("/v1/completions", json={"model": MODEL, "prompt": "anyone?", "max_tokens": 2})
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
             with pytest.raises(openai.APIError):

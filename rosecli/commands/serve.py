@@ -13,7 +13,6 @@ from rosecli.commands.progress import startup_progress
 from rosecli.engine.config import DEFAULT_MODEL
 
 SERVER = "Server"
-GRACEFUL_SHUTDOWN_S = 10  # in-flight streams get this long to finish after SIGINT/SIGTERM, then are aborted
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -47,31 +46,53 @@ def serve_local(
     profile_dir: Annotated[Optional[str], typer.Option("--profile-dir", help="Enable POST /start_profile and "
                                                        "/stop_profile; torch profiler Chrome traces go here.",
                                                        rich_help_panel=SERVER)] = None,
+    max_request_bytes: Annotated[int, typer.Option("--max-request-bytes", help="Largest request body "
+                                                   "accepted (413 beyond).", rich_help_panel=SERVER)] = 4 * 1024 * 1024,
+    read_timeout: Annotated[float, typer.Option("--read-timeout", help="Seconds a client may take to send a "
+                                                "request's headers, and again its body (408 beyond).",
+                                                rich_help_panel=SERVER)] = 30.0,
+    shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT, seconds "
+                                                    "running requests get to finish before they are ended.",
+                                                    rich_help_panel=SERVER)] = 10.0,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health and /metrics."""
     try:
-        import uvicorn
         from prometheus_client import disable_created_metrics
 
         from rosecli.server.app import OVERLOAD_MODES, create_app
+        from rosecli.server.uvicorn_server import PortInUseError, bind_socket, make_server
     except ImportError as e:
         o.fail(f"rose serve-local needs the server extras ({e.name} is missing): pip install 'rosecli[serve]'")
-    from rosecli.engine.llm import LLMEngine
-    from rosecli.engine.streaming import StreamingManager
 
     if overload not in OVERLOAD_MODES:
         o.fail(f"--overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
     if not 0 < port < 65536:
         o.fail(f"--port must be between 1 and 65535, got {port}")
+    if max_request_bytes < 1024:
+        o.fail(f"--max-request-bytes must be at least 1024, got {max_request_bytes}")
+    for flag, value in (("--read-timeout", read_timeout), ("--shutdown-timeout", shutdown_timeout)):
+        if not 0 < value < float("inf"):
+            o.fail(f"{flag} must be a positive number of seconds, got {value}")
     config = o.from_params(o.engine_config, locals())
+    try:
+        sock = bind_socket(host, port)  # before the model loads: a taken port fails in a moment
+    except PortInUseError as e:
+        o.fail(str(e), code=1)
+    from rosecli.engine.llm import LLMEngine  # torch: seconds to import, after the port is ours
+    from rosecli.engine.streaming import StreamingManager
+
     err = Console(stderr=True)
-    with startup_progress(err) as progress:
-        engine = LLMEngine(config, progress=progress)
+    try:
+        with startup_progress(err) as progress:
+            engine = LLMEngine(config, progress=progress)
+    except BaseException:
+        sock.close()
+        raise
     manager = StreamingManager(engine)
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:
         died: list[bool] = []
-        server: Optional[uvicorn.Server] = None
+        server = None
 
         def on_engine_dead() -> None:
             died.append(True)
@@ -80,16 +101,17 @@ def serve_local(
 
         name = served_model_name or model
         app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
-                         profile_dir=profile_dir, on_engine_dead=on_engine_dead)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on"))
+                         profile_dir=profile_dir, on_engine_dead=on_engine_dead,
+                         max_request_bytes=max_request_bytes, read_timeout=read_timeout)
+        server = make_server(app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout)
         err.print(f"[bold]{name}[/bold] on {engine.device.type}, context {engine.max_model_len}: OpenAI API at "
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)
         # uvicorn re-raises the signal it shut down on; SIGTERM then ends the process with status 0
         signal.signal(signal.SIGTERM, _exit_cleanly)
-        server.run()
+        server.run(sockets=[sock])
         if died and exit_on_engine_error:
             o.fail(f"the engine worker died: {manager.error}", code=1)
     finally:
+        sock.close()
         manager.close()
         engine.close()

@@ -2,11 +2,20 @@
 
 Every request's text pieces reach the event loop through one shared sink queue read by one
 bridge thread, which hands each batch it finds to the loop with a single
-``call_soon_threadsafe``: no thread per stream and no thread hop per token. A stream whose
-client goes away is aborted at once (Starlette cancels the response generator; its
-``finally`` calls ``manager.abort``), so its KV blocks are released within one engine step.
-Prompts are tokenized (and chat templates rendered) on one server thread, so the handlers can
-check prompt + max_tokens against the context and answer 400 before anything is queued.
+``call_soon_threadsafe``: no thread per stream and no thread hop per token.
+
+Nothing a client sends can hurt the engine: the body is read whole, within ``max_request_bytes``
+and ``read_timeout`` (413 / 408), before any route sees it; it is parsed as strict JSON into
+strictly typed, range-checked fields (400 naming the field); a prompt whose characters cannot fit
+the context is refused before it is tokenized, and tokenizing (and chat templates) runs on a small
+pool of threads so one long prompt does not hold the others. Any unexpected exception is a 500
+whose body says nothing of it (the log has it, once).
+
+A client that goes away is noticed at once, streaming or not (a task waits for the ASGI
+disconnect message), and its request is aborted, so its KV blocks are back within one engine step.
+``drain`` (called by the uvicorn server on SIGTERM / SIGINT) refuses new requests with 503, lets
+running ones finish for the shutdown timeout, then ends each one still open with a last chunk
+(``finish_reason`` "abort"), an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,9 +47,45 @@ OVERLOAD_MODES = ("reject", "wait")
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 _DEAD_END_DELAY_S = 1.0  # after the worker dies, streams still open this long get their end synthesized
 
+# A request body is read whole before any route runs. 4 MiB holds a prompt that fills a 128k-token
+# context several times over (about 0.5 MB as text, 0.9 MB as token ids, JSON escapes of non-ASCII
+# text up to 6 bytes a character) and bounds what one request can make the server hold and parse.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_READ_TIMEOUT_S = 30.0  # for a request's headers and for its body, each
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# The torch profiler pauses the engine thread while it starts and while it stops and collects its
+# events (about 2 s after a 3 s window of the tiny CPU model), in proportion to what it recorded:
+# a short window by default, a bounded one at most.
+DEFAULT_PROFILE_SECONDS = 5.0
+MAX_PROFILE_SECONDS = 60.0
+_MIN_CHARS_PER_TOKEN_BOUND = 32
+
+
+class _Ended:
+    """Queue items the server itself puts in a request's queue (besides the engine's END)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_GONE = _Ended("GONE")  # the client disconnected
+_SHUTDOWN = _Ended("SHUTDOWN")  # the shutdown timeout ran out
+
 
 def _sse(obj: Union[dict, str]) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _error_response(e: p.APIError, close: bool = False) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
+    if close:
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), e.status, headers=headers)
 
 
 class _Bridge:
@@ -111,7 +155,8 @@ class _Bridge:
             release()
 
     def _engine_died(self) -> None:
-        log.error("the engine worker died: %s", self.manager.error)
+        e = self.manager.error
+        log.error("the engine worker died: %s: %s", type(e).__name__, e, exc_info=e)
         self.loop.call_later(_DEAD_END_DELAY_S, self._end_all)
         self._on_engine_dead()
 
@@ -135,9 +180,101 @@ class _ApiKeyMiddleware:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         if secrets.compare_digest(given.strip(), self.expected):
             return await self.app(scope, receive, send)
-        body = p.error_body("Incorrect or missing API key: send the header 'Authorization: Bearer <key>'.",
-                            "invalid_request_error", None, "invalid_api_key")
-        await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        e = p.APIError(401, "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'.",
+                       p.INVALID_REQUEST, None, p.INVALID_API_KEY)
+        await JSONResponse(e.body(), 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+class _RequestLimits:
+    """Pure ASGI: reads the whole request body before the app runs, within ``max_bytes`` (413,
+    at once when Content-Length says so) and ``read_timeout`` seconds (408: a body that stops
+    arriving, or is short of its Content-Length, cannot hold its connection), then replays it.
+    Later ``receive`` calls reach the server's own, so the app still hears of a disconnect."""
+
+    def __init__(self, app, max_bytes: int, read_timeout: float, on_reject: Callable[[int], None]):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
+        self.on_reject = on_reject
+
+    async def _refuse(self, e: p.APIError, scope, receive, send) -> None:
+        self.on_reject(e.status)
+        await _error_response(e, close=True)(scope, receive, send)
+
+    def _too_large(self) -> p.APIError:
+        return p.APIError(413, f"The request body is larger than this server's limit of {self.max_bytes} bytes "
+                          "(--max-request-bytes).", p.INVALID_REQUEST, None, p.REQUEST_TOO_LARGE)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and int(length) > self.max_bytes:  # the HTTP parser has checked it is a number
+            return await self._refuse(self._too_large(), scope, receive, send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout
+        chunks, size = [], 0
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                e = p.APIError(408, f"The request body did not arrive within {self.read_timeout:g} s "
+                               "(--read-timeout).", p.INVALID_REQUEST, None, p.REQUEST_TIMEOUT)
+                return await self._refuse(e, scope, receive, send)
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                return await self._refuse(self._too_large(), scope, receive, send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay: Optional[dict] = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def receive_replayed():
+            nonlocal replay
+            if replay is not None:
+                message, replay = replay, None
+                return message
+            return await receive()
+
+        await self.app(scope, receive_replayed, send)
+
+
+class _InternalErrors:
+    """Pure ASGI, outermost: an exception nothing else handled is logged once, here, and answered
+    with a 500 that says nothing of it (a stream already under way is just ended)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_tracking(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception:
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await _error_response(p.internal_error(), close=True)(scope, receive, send)
+
+
+async def _wait_disconnect(receive, on_gone: Callable[[], None]) -> None:
+    """Wait for the ASGI disconnect message (the body has been read: nothing else can come)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_gone()
+            return
 
 
 class _Server:
@@ -153,15 +290,22 @@ class _Server:
         self.max_model_len = engine.max_model_len
         model = getattr(engine, "loaded", None)
         self.vocab_size = getattr(getattr(model, "model", None), "vocab_size", None) or len(engine.tokenizer)
+        self.max_prompt_chars = self.max_model_len * _max_token_chars(engine.tokenizer)
         self.created = p.now()
         self.metrics = ServerMetrics(manager)
         self.user_on_engine_dead = on_engine_dead
         self.bridge = _Bridge(manager, self._engine_dead)
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="rose-server-tokenize")
+        # tokenizers release the GIL: a few threads let a short prompt pass a long one
+        self.tokenize_pool = ThreadPoolExecutor(min(4, max(2, os.cpu_count() or 1)),
+                                                thread_name_prefix="rose-server-tokenize")
         limit = engine.config.max_inflight_requests
         self.room: Optional[asyncio.Semaphore] = (asyncio.Semaphore(limit) if overload == "wait" and limit
                                                   else None)
-        self.profiler = None
+        self.active = 0  # generation requests between arrival and their last byte
+        self.draining = False  # shutdown began: new requests are refused
+        self.closing = False  # the shutdown timeout ran out: open requests are being ended
+        self.profiler: Optional[tuple] = None  # (torch profiler, trace path, auto-stop timer)
+        self.export_pool = ThreadPoolExecutor(1, thread_name_prefix="rose-server-profile-export")
 
     def _engine_dead(self) -> None:
         if self.user_on_engine_dead is not None:
@@ -171,13 +315,26 @@ class _Server:
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
             raise p.APIError(404, f"The model `{model}` does not exist. This server serves "
-                             f"`{self.model_name}` (see GET /v1/models).", "invalid_request_error", "model",
-                             "model_not_found")
+                             f"`{self.model_name}` (see GET /v1/models).", p.INVALID_REQUEST, "model",
+                             p.MODEL_NOT_FOUND)
 
     def check_alive(self) -> None:
         if not self.manager.is_alive:
-            raise p.APIError(503, f"the engine is not running: {self.manager.error or 'it was shut down'}",
-                             "server_error", None, "engine_dead")
+            raise p.engine_dead()
+
+    def check_prompt_chars(self, req: p.SamplingRequest, param: str) -> None:
+        """Refuse, without tokenizing it, a prompt with more characters than the context can hold
+        tokens of: no token covers more characters than the longest vocabulary entry."""
+        messages = len(getattr(req, "messages", ()))
+        if messages > self.max_model_len:  # a chat template spends at least a token on each message
+            raise p.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your conversation has {messages} messages: shorten it.", param,
+                                p.CONTEXT_LENGTH_EXCEEDED)
+        chars = p.prompt_chars(req)
+        if chars > self.max_prompt_chars:
+            raise p.bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"your prompt has {chars} characters, more than that many tokens can hold: "
+                                "shorten it.", param, p.CONTEXT_LENGTH_EXCEEDED)
 
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
@@ -192,8 +349,15 @@ class _Server:
                                 "messages")
         try:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja raises its own errors for conversations it rejects
-            raise p.bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+        except Exception as e:
+            # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose
+            # message is written for the user); anything else is the template tripping over what
+            # the messages hold: a 400 too, without its internal text.
+            if type(e).__module__.startswith("jinja2") and type(e).__name__ == "TemplateError":
+                raise p.bad_request(f"the chat template rejected the messages: {e}", "messages") from None
+            log.info("the chat template failed on a request's messages: %s: %s", type(e).__name__, e)
+            raise p.bad_request("the chat template could not render these messages (check the roles, and "
+                                "that extra message fields are plain strings)", "messages") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -203,24 +367,30 @@ class _Server:
 
     async def submit(self, ids: list[int], params) -> tuple[int, asyncio.Queue]:
         self.check_alive()
+        if self.closing:
+            raise p.shutting_down()
         if self.room is not None:
             await self.room.acquire()
         try:
+            if self.closing:  # the shutdown timeout ran out while this request waited for room
+                raise p.shutting_down()
             while True:
                 try:
                     rid = self.manager.add_request(ids, params, wait=False, sink=self.bridge.sink)
                     break
                 except OverloadedError as e:
                     if self.overload != "wait":
-                        raise p.APIError(429, f"the server is overloaded: {e}", "rate_limit_exceeded", None,
-                                         "rate_limit_exceeded") from None
+                        raise p.APIError(429, f"the server is overloaded: {e}", p.RATE_LIMIT, None,
+                                         p.RATE_LIMIT_EXCEEDED) from None
+                    if self.closing:
+                        raise p.shutting_down() from None
                     await asyncio.sleep(0.005)  # the slot is released just before the END we wait on
         except RequestError as e:
             self._release_room()
             raise p.bad_request(str(e), "prompt") from None
-        except EngineDeadError as e:
+        except EngineDeadError:
             self._release_room()
-            raise p.APIError(503, str(e), "server_error", None, "engine_dead") from None
+            raise p.engine_dead() from None
         except BaseException:
             self._release_room()
             raise
@@ -235,23 +405,45 @@ class _Server:
         try:
             return self.manager.take_output(rid)
         except KeyError:
-            raise EngineDeadError(f"the engine stopped before this request finished: "
-                                  f"{self.manager.error or 'it was shut down'}") from None
+            raise EngineDeadError("the engine stopped before this request finished") from None
+
+    @staticmethod
+    def _engine_failure(e: RoseError) -> p.APIError:
+        """A request the engine ended with an error, as the client hears of it: a request error's
+        message is written for the user; anything else is only named by its code."""
+        if isinstance(e, RequestError):
+            return p.bad_request(str(e), "prompt")
+        log.warning("a request ended with an engine error: %s: %s", type(e).__name__, e)
+        return p.engine_dead() if isinstance(e, EngineDeadError) else p.internal_error()
 
     # --- one generation request -------------------------------------------------------------
-    async def generate(self, request: Request, req: p.SamplingRequest, chat: bool):
+    async def generate(self, request: Request, model_cls: type, chat: bool):
         arrival = time.perf_counter()
+        if self.draining:
+            raise p.shutting_down()
+        req = p.parse_body(await request.body(), model_cls)
+        self.active += 1
+        handed_off = False
+        try:
+            response = await self._generate(request, req, chat, arrival)
+            handed_off = isinstance(response, StreamingResponse)
+            return response
+        finally:
+            if not handed_off:
+                self.active -= 1
+
+    async def _generate(self, request: Request, req: p.SamplingRequest, chat: bool, arrival: float):
         req.check_unsupported()
         self.check_model(req.model)
         self.check_alive()
+        prompt_param = "messages" if chat else "prompt"
+        self.check_prompt_chars(req, prompt_param)
         if chat:
             ids = await self.tokenize(self._encode_chat, req.template_messages())
-            prompt_param = "messages"
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:
             ids = await self.tokenize(self._encode_completion, p.completion_prompt(req))
-            prompt_param = "prompt"
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
         if not ids:
@@ -267,6 +459,16 @@ class _Server:
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, rid, q, env, arrival, headers)
 
+    def _ended_early(self, rid: int, q: asyncio.Queue, why: _Ended) -> None:
+        q.put_nowait(why)
+        self.manager.abort(rid)
+
+    def _stream_error(self, env: p.Envelope, e: p.APIError, finish: str, include_usage: bool) -> list[str]:
+        """The end of a stream that could not finish: a last choice chunk with ``finish``, the
+        error event (the same body a JSON error has), ``[DONE]``."""
+        return [_sse(env.chunk(text=None if env.chat else "", finish=finish, include_usage=include_usage)),
+                _sse(e.body()), _sse("[DONE]")]
+
     async def _stream(self, rid: int, q: asyncio.Queue, env: p.Envelope, include_usage: bool,
                       arrival: float) -> AsyncIterator[str]:
         ended = False
@@ -277,15 +479,20 @@ class _Server:
                 piece = await q.get()
                 if piece is END:
                     break
+                if piece is _SHUTDOWN:
+                    self.metrics.finished("abort", arrival)
+                    ended = True  # aborted already
+                    for event in self._stream_error(env, p.shutting_down(), "abort", include_usage):
+                        yield event
+                    return
                 yield _sse(env.chunk(text=piece, include_usage=include_usage))
             ended = True
             try:
                 out = self.output(rid)
             except RoseError as e:
                 self.metrics.finished("error", arrival)
-                yield _sse(p.error_body(str(e), "server_error", None, 503 if isinstance(e, EngineDeadError)
-                                        else 500))
-                yield _sse("[DONE]")
+                for event in self._stream_error(env, self._engine_failure(e), "error", include_usage):
+                    yield event
                 return
             self.metrics.finished(p.finish_reason(out.finish_reason), arrival, out)
             yield _sse(env.chunk(text=None if env.chat else "", finish=p.finish_reason(out.finish_reason),
@@ -294,43 +501,64 @@ class _Server:
                 yield _sse(env.usage_chunk(p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)))
             yield _sse("[DONE]")
         finally:
-            if not ended:  # the client went away (or the server is stopping): free the request now
+            if not ended:  # the client went away: free the request now
                 self.manager.abort(rid)
                 self.metrics.finished("abort", arrival)
+            self.active -= 1
 
     async def _complete(self, request: Request, rid: int, q: asyncio.Queue, env: p.Envelope, arrival: float,
                         headers: dict) -> Response:
         ended = False
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive, lambda: self._ended_early(rid, q, _GONE)))
         try:
             while True:
-                try:
-                    piece = await asyncio.wait_for(q.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)  # nobody reads it; the finally frees the request
-                    continue
+                piece = await q.get()
                 if piece is END:
                     break
+                if piece is _GONE:
+                    return Response(status_code=499)  # nobody reads it; the finally counts the abort
+                if piece is _SHUTDOWN:
+                    raise p.shutting_down()
             ended = True
             try:
                 out = self.output(rid)
             except RoseError as e:
                 self.metrics.finished("error", arrival)
-                raise p.APIError(503 if isinstance(e, EngineDeadError) else 500, str(e), "server_error", None,
-                                 "engine_dead" if isinstance(e, EngineDeadError) else None) from None
+                raise self._engine_failure(e) from None
             reason = p.finish_reason(out.finish_reason)
             self.metrics.finished(reason, arrival, out)
             body = env.response(out.text, reason, p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))
             return JSONResponse(body, headers=headers)
         finally:
+            watcher.cancel()
             if not ended:
                 self.manager.abort(rid)
                 self.metrics.finished("abort", arrival)
 
+    # --- shutdown -----------------------------------------------------------------------------
+    async def drain(self, timeout: float, force: Callable[[], bool] = lambda: False) -> None:
+        """Refuse new generation requests (503), give running ones ``timeout`` seconds, then end
+        each one still open: a stream gets its last chunk, an error event and [DONE], a
+        non-streaming request a 503."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.active:
+            log.info("shutting down: waiting up to %g s for %d running request(s)", timeout, self.active)
+        while self.active and loop.time() < deadline and not force():
+            await asyncio.sleep(0.05)
+        if not self.active:
+            return
+        self.closing = True
+        log.warning("shutting down: ending %d request(s) still running after %g s", self.active, timeout)
+        for rid, q in list(self.bridge.queues.items()):
+            self._ended_early(rid, q, _SHUTDOWN)
+        end = loop.time() + 2.0  # for their last events to be written
+        while self.active and loop.time() < end and not force():
+            await asyncio.sleep(0.02)
+
     # --- profiling --------------------------------------------------------------------------
-    def start_profile(self) -> dict:
-        if self.profile_dir is None:
-            raise p.bad_request("profiling is off: start the server with --profile-dir DIR")
+    async def start_profile(self, seconds: float) -> dict:
         if self.profiler is not None:
             raise p.bad_request("the profiler is already running: POST /stop_profile first")
         self.check_alive()
@@ -341,39 +569,107 @@ class _Server:
         if torch.cuda.is_available() and self.engine.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         prof = profile(activities=activities)
-        self.engine.stages.enable_torch_trace(True)
-        self.manager.call_on_worker(prof.start)  # the profiler records the thread that starts it
-        self.profiler = prof
-        return {"status": "started", "activities": [a.name for a in activities]}
+        path = os.path.abspath(os.path.join(
+            self.profile_dir, f"rose-trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{id(prof):x}.json"))
+        loop = asyncio.get_running_loop()
+        self.profiler = (prof, path, None)  # before any await: a second start sees it
+        try:
+            self.engine.stages.enable_torch_trace(True)
+            # the profiler records the thread that starts it
+            await loop.run_in_executor(None, self.manager.call_on_worker, prof.start)
+        except BaseException:
+            self.engine.stages.enable_torch_trace(False)
+            self.profiler = None
+            raise
+        timer = loop.call_later(seconds, lambda: asyncio.ensure_future(self._auto_stop_profile()))
+        self.profiler = (prof, path, timer)
+        log.info("profiling for at most %g s; the trace will be %s", seconds, path)
+        return {"status": "started", "activities": [a.name for a in activities], "seconds": seconds,
+                "trace": path}
 
-    def stop_profile(self) -> dict:
-        if self.profiler is None:
+    async def _auto_stop_profile(self) -> None:
+        try:
+            path = await self.stop_profile()
+            log.info("profiling window over: trace written to %s", path["trace"])
+        except Exception as e:  # stopped by hand meanwhile, or the engine died: nothing to save
+            log.warning("could not stop the profiler at the end of its window: %s", e)
+
+    async def stop_profile(self) -> dict:
+        if self.profiler is None or self.profiler[2] is None:
             raise p.bad_request("the profiler is not running: POST /start_profile first")
-        prof, self.profiler = self.profiler, None
+        prof, path, timer = self.profiler
+        self.profiler = None
+        timer.cancel()
         self.engine.stages.enable_torch_trace(False)
-        self.manager.call_on_worker(prof.stop)
-        os.makedirs(self.profile_dir, exist_ok=True)
-        path = os.path.join(self.profile_dir, f"rose-trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json")
-        prof.export_chrome_trace(path)
-        return {"status": "stopped", "trace": os.path.abspath(path)}
+        loop = asyncio.get_running_loop()
+        if not self.manager.is_alive:
+            raise p.engine_dead()
+        await loop.run_in_executor(None, self.manager.call_on_worker, prof.stop)
+        # Writing the trace (hundreds of MB for a long window) happens on a thread of its own, and the
+        # C++ writer lets the engine thread run meanwhile: generation goes on during the export.
+        await loop.run_in_executor(self.export_pool, _export_trace, prof, path)
+        return {"status": "stopped", "trace": path}
 
     def close(self) -> None:
-        if self.profiler is not None:
+        if self.profiler is not None and self.profiler[2] is not None:
+            prof, path, timer = self.profiler
+            self.profiler = None
+            timer.cancel()
             try:
-                self.stop_profile()
+                self.manager.call_on_worker(prof.stop, timeout=10)
+                _export_trace(prof, path)
             except Exception as e:  # a dead engine cannot stop it; nothing to save then
                 log.warning("could not save the profile on shutdown: %s", e)
         self.manager.close()  # streams still open end with an error; the bridge delivers it, then stops
         self.bridge.stop()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.export_pool.shutdown(wait=True)
+
+
+def _export_trace(prof, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof.export_chrome_trace(path)
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (byte-level vocabularies spell a byte as one
+    character, so no input character takes less); at least 32."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # a tokenizer without a readable vocabulary: the floor below
+        longest = 0
+    return max(_MIN_CHARS_PER_TOKEN_BOUND, longest)
+
+
+async def _json_object_body(request: Request) -> dict:
+    """A control endpoint's body: only with Content-Type application/json (a browser cannot send
+    that cross-site without a CORS preflight, which this server never grants); empty means {}."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise p.APIError(415, "send this request with Content-Type: application/json (a JSON object body, "
+                         "or none)", p.INVALID_REQUEST, None, p.UNSUPPORTED_MEDIA_TYPE)
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw.decode("utf-8"), parse_constant=p._refuse_constant)
+    except (ValueError, RecursionError):
+        raise p.bad_request("the request body is not valid JSON", None, p.INVALID_JSON) from None
+    if not isinstance(obj, dict):
+        raise p.bad_request("the request body must be a JSON object", None, p.INVALID_TYPE)
+    return obj
 
 
 def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_name: Optional[str] = None,
                overload: str = "reject", profile_dir: Optional[str] = None,
-               on_engine_dead: Optional[Callable[[], None]] = None) -> FastAPI:
+               on_engine_dead: Optional[Callable[[], None]] = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
     """The app; its lifespan starts the bridge and, at shutdown, closes the manager (in-flight
     streams still open then end with an error event). ``on_engine_dead`` is called once, on the
-    event loop, when the engine worker dies."""
+    event loop, when the engine worker dies. The uvicorn server of ``rosecli.server.uvicorn_server`` calls
+    ``app.state.rose.drain`` on SIGTERM / SIGINT."""
     if overload not in OVERLOAD_MODES:
         raise ValueError(f"overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
     server = _Server(manager, engine, served_model_name or engine.model_name, overload, profile_dir,
@@ -387,41 +683,34 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
         finally:
             await asyncio.get_running_loop().run_in_executor(None, server.close)
 
-    app = FastAPI(title="rose serve-local", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="rose serve-local", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.rose = server
+    # outermost last: errors -> API key (before a body is buffered) -> body limits -> routes
+    app.add_middleware(_RequestLimits, max_bytes=max_request_bytes, read_timeout=read_timeout,
+                       on_reject=lambda status: server.metrics.rejected.labels(str(status)).inc())
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_InternalErrors)
 
     @app.exception_handler(p.APIError)
     async def _api_error(request: Request, e: p.APIError):
         server.metrics.rejected.labels(str(e.status)).inc()
-        headers = {"Retry-After": "1"} if e.status == 429 else None
-        return JSONResponse(e.body(), e.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        err = p.validation_error(list(e.errors()))
-        server.metrics.rejected.labels("400").inc()
-        return JSONResponse(err.body(), 400)
+        return _error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(p.error_body(str(e.detail), kind, None, None), e.status_code,
+        code = {404: p.NOT_FOUND, 405: p.METHOD_NOT_ALLOWED}.get(e.status_code)
+        kind = p.INVALID_REQUEST if e.status_code < 500 else p.SERVER_ERROR
+        return JSONResponse(p.error_body(str(e.detail), kind, None, code), e.status_code,
                             headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return JSONResponse(p.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), 500)
-
     @app.post("/v1/completions")
-    async def completions(body: p.CompletionRequest, request: Request):
-        return await server.generate(request, body, chat=False)
+    async def completions(request: Request):
+        return await server.generate(request, p.CompletionRequest, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        return await server.generate(request, body, chat=True)
+    async def chat_completions(request: Request):
+        return await server.generate(request, p.ChatCompletionRequest, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -429,20 +718,37 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
 
     @app.get("/health")
     async def health():
-        if manager.is_alive:
-            return {"status": "ok"}
-        return JSONResponse({"status": "engine dead", "error": str(manager.error or "shut down")}, 503)
+        if not manager.is_alive:
+            return JSONResponse({"status": "engine_dead", "message": "the engine worker is not running; the "
+                                 "server log has the details"}, 503)
+        if server.draining:
+            return JSONResponse({"status": "shutting_down"}, 503)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    def profiling_on() -> None:
+        if server.profile_dir is None:
+            raise p.APIError(404, "profiling is off: start the server with --profile-dir DIR", p.INVALID_REQUEST,
+                             None, p.NOT_FOUND)
+
     @app.post("/start_profile")
-    async def start_profile():
-        return await asyncio.get_running_loop().run_in_executor(None, server.start_profile)
+    async def start_profile(request: Request):
+        profiling_on()
+        body = await _json_object_body(request)
+        seconds = body.get("seconds", DEFAULT_PROFILE_SECONDS)
+        if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                or not 0 < seconds <= MAX_PROFILE_SECONDS):
+            raise p.bad_request(f"seconds must be a number in (0, {MAX_PROFILE_SECONDS:g}], got {seconds!r}",
+                                "seconds")
+        return await server.start_profile(float(seconds))
 
     @app.post("/stop_profile")
-    async def stop_profile():
-        return await asyncio.get_running_loop().run_in_executor(None, server.stop_profile)
+    async def stop_profile(request: Request):
+        profiling_on()
+        await _json_object_body(request)
+        return await server.stop_profile()
 
     return app

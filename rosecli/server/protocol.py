@@ -6,25 +6,69 @@ Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completion
 ``stop_token_ids``) are accepted too. Unknown fields are ignored, as OpenAI and vLLM do;
 known fields this server cannot honour (``n`` > 1, ``logprobs``, penalties ...) are refused
 with a 400 rather than silently ignored.
+
+Types are strict (``"stream": "yes"`` and ``"max_tokens": "3"`` are 400s, not coerced) and every
+number is range-checked here, where it enters, against what the engine can represent: a value
+that passes these checks cannot overflow a tensor or a generator seed further down.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rosecli.engine.config import SamplingParams
 from rosecli.engine.errors import ConfigError
 
 
+# --- the error vocabulary -----------------------------------------------------------------------
+# One body, ``{"error": {message, type, param, code}}``, for a JSON error response and for a stream's
+# error event alike. ``type`` is one of OpenAI's strings; ``code`` is always a string (or null).
+INVALID_REQUEST = "invalid_request_error"  # 4xx: the client can fix it
+RATE_LIMIT = "requests"  # 429, as OpenAI's request-rate limit
+SERVER_ERROR = "server_error"  # 5xx
+
+# codes
+INVALID_JSON = "invalid_json"
+INVALID_TYPE = "invalid_type"
+INVALID_VALUE = "invalid_value"
+MISSING_PARAMETER = "missing_required_parameter"
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+INVALID_API_KEY = "invalid_api_key"
+MODEL_NOT_FOUND = "model_not_found"
+NOT_FOUND = "not_found"
+METHOD_NOT_ALLOWED = "method_not_allowed"
+REQUEST_TIMEOUT = "request_timeout"
+REQUEST_TOO_LARGE = "request_too_large"
+UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+INTERNAL_ERROR = "internal_error"
+ENGINE_DEAD = "engine_dead"
+SHUTTING_DOWN = "shutting_down"
+
+INTERNAL_MESSAGE = "The server had an error while processing your request; the server log has the details."
+
+# What the engine can represent: seeds seed a torch.Generator (int64), top_k becomes an int32-safe
+# tensor entry; OpenAI's temperature range.
+MAX_SEED = 2 ** 63 - 1
+MAX_TOP_K = 2 ** 31 - 1
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # a stop string this long holds back as much streamed text
+MAX_STOP_TOKEN_IDS = 1024
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body ``{"error": {message, type, param, code}}``."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[Union[str, int]] = None):
+    def __init__(self, status: int, message: str, type: str = INVALID_REQUEST,
+                 param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,24 +80,46 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[Union[str, int]] = None) -> dict:
+def error_body(message: str, type: str = INVALID_REQUEST, param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: Optional[str] = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, param: Optional[str] = None, code: str = INVALID_VALUE) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(message: str, param: str) -> APIError:
+    return bad_request(message, param, UNSUPPORTED_PARAMETER)
+
+
+def internal_error() -> APIError:
+    """What a client hears of an unexpected exception: nothing of its text."""
+    return APIError(500, INTERNAL_MESSAGE, SERVER_ERROR, None, INTERNAL_ERROR)
+
+
+def engine_dead() -> APIError:
+    return APIError(503, "The engine is not running (it stopped on an error or was shut down); the server "
+                    "log has the details.", SERVER_ERROR, None, ENGINE_DEAD)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down: retry on another instance or after it restarts.",
+                    SERVER_ERROR, None, SHUTTING_DOWN)
 
 
 # --- requests ---------------------------------------------------------------------------------
 
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -74,13 +140,13 @@ class SamplingRequest(BaseModel):
 
     def check_unsupported(self) -> None:
         if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice per request "
+            raise unsupported(f"n={self.n} is not supported: this server returns one choice per request "
                               "(send n separate requests)", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by this server (leave it unset or 0)", name)
+                raise unsupported(f"{name} is not supported by this server (leave it unset or 0)", name)
         if self.logit_bias:
-            raise bad_request("logit_bias is not supported by this server", "logit_bias")
+            raise unsupported("logit_bias is not supported by this server", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -99,23 +165,24 @@ class CompletionRequest(SamplingRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.echo:
-            raise bad_request("echo is not supported by this server", "echo")
+            raise unsupported("echo is not supported by this server", "echo")
         if self.logprobs is not None:
-            raise bad_request("logprobs is not supported by this server", "logprobs")
+            raise unsupported("logprobs is not supported by this server", "logprobs")
         if self.best_of not in (None, 1):
-            raise bad_request(f"best_of={self.best_of} is not supported: only 1", "best_of")
+            raise unsupported(f"best_of={self.best_of} is not supported: only 1", "best_of")
         if self.suffix:
-            raise bad_request("suffix is not supported by this server", "suffix")
+            raise unsupported("suffix is not supported by this server", "suffix")
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     type: str
     text: Optional[str] = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id reach the template
+    # name, tool_calls, tool_call_id reach the template
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
 
@@ -130,9 +197,9 @@ class ChatCompletionRequest(SamplingRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs or self.top_logprobs:
-            raise bad_request("logprobs is not supported by this server", "logprobs")
+            raise unsupported("logprobs is not supported by this server", "logprobs")
         if self.tools:
-            raise bad_request("tools are not supported by this server", "tools")
+            raise unsupported("tools are not supported by this server", "tools")
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
 
@@ -145,7 +212,7 @@ class ChatCompletionRequest(SamplingRequest):
                 texts = []
                 for part in m.content:
                     if part.type != "text" or part.text is None:
-                        raise bad_request(f"messages[{i}]: content part of type {part.type!r} is not supported "
+                        raise unsupported(f"messages[{i}]: content part of type {part.type!r} is not supported "
                                           "(text only)", f"messages[{i}].content")
                     texts.append(part.text)
                 d["content"] = "".join(texts)
@@ -181,47 +248,138 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
 
 
+def _context_exceeded(message: str, param: str) -> APIError:
+    return bad_request(message, param, CONTEXT_LENGTH_EXCEEDED)
+
+
 def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int, *,
                     default_max_tokens: Optional[int], max_tokens: Optional[int], prompt_param: str,
                     vocab_size: int) -> SamplingParams:
-    """Check the sampling fields against the prompt and the context; 400 names the field.
+    """Check the sampling fields against the prompt, the context and what the engine can
+    represent; a 400 names the field.
 
     ``default_max_tokens`` None means "the rest of the context" (chat, as vLLM)."""
     room = max_model_len - prompt_tokens
     if room < 1:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                          f"prompt has {prompt_tokens} tokens, which leaves no room to generate: shorten it.",
-                          prompt_param)
+        raise _context_exceeded(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                                f"prompt has {prompt_tokens} tokens, which leaves no room to generate: shorten it.",
+                                prompt_param)
     max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else default_max_tokens
     elif max_tokens < 1:
         raise bad_request(f"{max_param} must be at least 1, got {max_tokens}", max_param)
     if prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                          f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-                          f"{max_tokens} in the completion). Please reduce the prompt or {max_param}.", max_param)
+        raise _context_exceeded(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+                                f"{max_tokens} in the completion). Please reduce the prompt or {max_param}.",
+                                max_param)
     temperature = 1.0 if req.temperature is None else req.temperature
-    if not temperature >= 0.0:  # also NaN
-        raise bad_request(f"temperature must be >= 0, got {req.temperature}", "temperature")
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:  # also NaN (refused before here: non-finite JSON)
+        raise bad_request(f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {req.temperature}",
+                          "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not 0.0 < top_p <= 1.0:
         raise bad_request(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
     top_k = 0 if req.top_k in (None, -1) else req.top_k
-    if top_k < 0:
-        raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {req.top_k}", "top_k")
-    if req.seed is not None and req.seed < 0:
-        raise bad_request(f"seed must be >= 0, got {req.seed}", "seed")
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise bad_request(f"top_k must be -1 or 0 (off) or an integer from 1 to {MAX_TOP_K}, got {req.top_k}",
+                          "top_k")
+    if top_k >= vocab_size:
+        top_k = 0  # keeping the whole vocabulary is no filter
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise bad_request(f"seed must be an integer from 0 to {MAX_SEED}, got {req.seed}", "seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop holds {len(stop)} strings: at most {MAX_STOP_STRINGS}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad_request(f"a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
     stop = [s for s in stop if s]  # an empty stop string can never match
     stop_token_ids = list(req.stop_token_ids or [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids holds {len(stop_token_ids)} ids: at most {MAX_STOP_TOKEN_IDS}",
+                          "stop_token_ids")
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                               top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
                               stop_token_ids=stop_token_ids)
-    except ConfigError as e:
+    except ConfigError as e:  # the engine's own checks: their messages name the parameter
         raise bad_request(str(e)) from None
+
+
+def prompt_chars(req: SamplingRequest) -> int:
+    """Characters of text the prompt holds (chat: every message's text), counted before tokenizing."""
+    if isinstance(req, ChatCompletionRequest):
+        total = 0
+        for m in req.messages:
+            if isinstance(m.content, str):
+                total += len(m.content)
+            elif m.content:
+                total += sum(len(part.text or "") for part in m.content)
+        return total
+    p = req.prompt
+    if isinstance(p, str):
+        return len(p)
+    return sum(len(x) for x in p if isinstance(x, str))
+
+
+# --- the request body -------------------------------------------------------------------------
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _find_surrogate(obj: Any) -> Optional[str]:
+    """The path (``messages[0].content``) of the first string holding a lone UTF-16 surrogate, which
+    no UTF-8 text can hold ("" for a top-level key); None when there is none. Iterative: nesting
+    depth costs no stack."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _SURROGATE.search(k):
+                    return path
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+    """The request body as ``model``: strict UTF-8 JSON (no NaN / Infinity literals, no lone
+    surrogates), an object, valid against the model; anything else is a 400 naming the field."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"the request body is not valid UTF-8 (byte {e.start})", None, INVALID_JSON) from None
+    try:
+        obj = json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        reason = str(e) if isinstance(e, ValueError) else "nested too deeply"
+        raise bad_request(f"the request body is not valid JSON: {reason[:200]}", None, INVALID_JSON) from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}", None,
+                          INVALID_TYPE)
+    if "\\u" in text:  # a surrogate can only arrive as an escape: valid UTF-8 cannot encode one
+        where = _find_surrogate(obj)
+        if where is not None:
+            raise bad_request(f"{where or 'the request body'}: the text holds a lone UTF-16 surrogate "
+                              "(an unpaired \\ud800-\\udfff escape), which is not a character",
+                              where or None, INVALID_VALUE)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", None, INVALID_JSON) from None
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -297,22 +455,24 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def validation_error(errors: list[dict]) -> APIError:
-    """A pydantic / FastAPI validation failure as one 400 that names the first bad field."""
+    """A pydantic validation failure as one 400 that names the first bad field."""
     if not errors:
         return bad_request("the request body is invalid")
     e = errors[0]
-    if e.get("type") == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
-    loc = [str(part) for part in e.get("loc", ()) if part != "body"]
+    loc = list(e.get("loc", ()))
     # pydantic names the member of a union it tried ("str", "list[int]"): not a field
-    fields = [part for part in loc if not any(c in part for c in "[]-") and part not in _TYPE_TAGS]
-    param = ".".join(fields) or None
+    fields = [part for part in loc if isinstance(part, int)
+              or not any(c in part for c in "[]-") and part not in _TYPE_TAGS]
+    param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in fields).lstrip(".") or None
     where = f"{param}: " if param else ""
     if e.get("type") == "missing":
-        return bad_request(f"{where}this field is required", param)
-    msg = f"{where}{'wrong type' if fields != loc else e.get('msg', 'invalid value')}"
+        return bad_request(f"{where}this field is required", param, MISSING_PARAMETER)
+    kind = e.get("type", "")
+    if fields != loc or kind.endswith("_type") or kind in ("model_type", "model_attributes_type"):
+        msg, code = f"{where}wrong type", INVALID_TYPE
+    else:
+        msg, code = f"{where}{e.get('msg', 'invalid value')}", INVALID_VALUE
     if "input" in e and param:
         got = repr(e["input"])
         msg += f" (got {got if len(got) <= 80 else got[:77] + '...'})"
-    return bad_request(msg, param)
-
+    return bad_request(msg, param, code)

@@ -148,12 +148,13 @@ def test_auto_reads_4bit_mlp_layers_as_int4_and_the_rest_as_float16():
     model = our_model(tiny_hf_model("llama", seed=25))
     layer = model.layers[0]
     with torch.no_grad():
-        for lin in (layer.gate_up_proj, layer.qkv_proj):
+        for lin in (layer.gate_up_proj, layer.qkv_proj, layer.down_proj):
             lin.weight.copy_(_q4_1_weight(*lin.weight.shape, 26))
     prepare_cpu_weights(model, "auto")
     assert isinstance(model.layers[0].gate_up_proj, Int4Linear)
     assert isinstance(model.layers[0].qkv_proj, Float16Linear)  # 4-bit, but an attention projection
-    assert isinstance(model.layers[0].down_proj, Float16Linear)  # random float weights: not 4-bit
+    assert isinstance(model.layers[0].down_proj, Float16Linear)  # 4-bit, but its input is widest
+    assert isinstance(model.layers[1].gate_up_proj, Float16Linear)  # random float weights: not 4-bit
     assert isinstance(model.lm_head, Float16Linear)
 
 

@@ -34,7 +34,7 @@ MANIFEST = "prepared.json"
 
 
 def cache_key(weight_files: list[Path], kind: str) -> str:
-    ident = {"format": FORMAT, "kind": kind, "policy": quant.ATTENTION_PROJECTIONS, "torch": torch.__version__,
+    ident = {"format": FORMAT, "kind": kind, "policy": quant.FLOAT16_LAYERS, "torch": torch.__version__,
              "cpu": torch.backends.cpu.get_cpu_capability(),
              "files": [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files]}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]

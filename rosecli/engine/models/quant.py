@@ -3,11 +3,11 @@
 CPU decode is bound by reading the weights once per token, so the representation sets the speed;
 it must not change what the model says. `--cpu-weights`:
 
-- ``auto`` (default): each MLP layer whose weights are exactly 4-bit groups (every group of 32
-  input weights is ``d * q + m`` with ``q`` in 0..15, as a Q4_0/Q4_1 GGUF dequantizes) runs as
-  `Int4Linear`, which reads those 4-bit codes and reproduces the weights bit for bit; the attention
-  projections (`ATTENTION_PROJECTIONS`), every other layer and the output layer run as
-  `Float16Linear`. No weight is rounded a second time beyond float16, so the default adds no
+- ``auto`` (default): each MLP input layer (gate/up, GPT-2's c_fc) whose weights are exactly 4-bit
+  groups (every group of 32 input weights is ``d * q + m`` with ``q`` in 0..15, as a Q4_0/Q4_1 GGUF
+  dequantizes) runs as `Int4Linear`, which reads those 4-bit codes and reproduces the weights bit
+  for bit; the layers where bfloat16 activations cost accuracy (`FLOAT16_LAYERS`), every other
+  layer and the output layer run as `Float16Linear`. No weight is rounded a second time beyond float16, so the default adds no
   quantization of its own to the checkpoint's.
 - ``int4``: every layer (input width a multiple of 32) as `Int4Linear`, quantizing float weights
   (min/max per group of 32) where they are not 4-bit already; the output layer float16.
@@ -200,17 +200,20 @@ def restore(model: nn.Module, layers: dict[str, str], state: dict[str, torch.Ten
 
 Maker = Callable[[str, torch.Tensor, Optional[torch.Tensor]], Optional[nn.Module]]
 
-# The attention projections of each family (Llama's fused qkv and output, GPT-2's). With 4-bit codes
-# and bfloat16 activations there, SmolLM2-135M's teacher-forced top-1 agreement with float32 drops
-# to 98.3% and 2 of 8 greedy answers change; with those four in float16 and only the MLP in 4-bit
-# codes it is 99.1% (docs/cpu.md). The MLP holds 70% of a layer's weights, so most of the speed stays.
-ATTENTION_PROJECTIONS = ("qkv_proj", "o_proj", "c_attn", "attn_proj")
+# Layers `auto` keeps in float16 even when their weights are 4-bit: the attention projections and the
+# MLP's output projection (Llama's and GPT-2's names). The int4 kernel computes in bfloat16, and
+# where its input is rounded to bfloat16 matters: measured on SmolLM2-135M against float32, 4-bit
+# codes in every layer flip 1.7% of teacher-forced top-1 tokens and change 2 of 8 greedy answers;
+# in the MLP only, 0.9% and 3 of 8 ("Hello! How can I" became "Hello! I'sh": the down projection's
+# input, silu(gate) * up, has the widest range); in the gate/up projection only (the layer's
+# largest matrix, 46% of its weights), 1.0% and 1 of 8 (docs/cpu.md).
+FLOAT16_LAYERS = ("qkv_proj", "o_proj", "down_proj", "c_attn", "attn_proj", "mlp_proj")
 
 
 def _layer_maker(kind: str) -> Maker:
     """How ``kind`` turns one linear layer (its name, weight and bias) into a module (None: keep it)."""
     def auto(name, w, b):
-        if name not in ATTENTION_PROJECTIONS and int4_is_exact(w):
+        if name not in FLOAT16_LAYERS and int4_is_exact(w):
             return Int4Linear(w, b)
         return Float16Linear(w, b)
 

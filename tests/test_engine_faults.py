@@ -58,3 +58,27 @@ def test_extreme_but_allowed_params_run(tiny_engine_factory):
         assert manager.is_alive
     finally:
         manager.close()
+
+
+def _invoke_cli(args, timeout):
+    """Run `rose ARGS` through Typer's runner on a thread: a command that loops fails the test."""
+    from typer.testing import CliRunner
+
+    from rosecli.commands.main import app
+
+    box = []
+    t = threading.Thread(target=lambda: box.append(CliRunner().invoke(app, args)), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert box, f"`rose {' '.join(args)}` did not finish within {timeout} s"
+    return box[0]
+
+
+def test_generate_longer_than_the_pool_finishes_with_length(cache_dir):
+    # one block of 16 tokens; it used to spin forever once the sequence needed a second block
+    r = _invoke_cli(["generate", "Hello", "--load-format", "dummy", "--model", "tiny-llama", "--device", "cpu",
+                     "--no-chat", "--num-gpu-blocks", "1", "--max-new-tokens", "100", "--no-stop-on-eos",
+                     "--cache-dir", cache_dir], timeout=120)
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())  # the summary line may be wrapped
+    assert "prompt tokens 1, generated tokens 15" in out and "finish length" in out

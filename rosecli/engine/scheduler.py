@@ -114,6 +114,7 @@ class Scheduler:
         if params.stop:
             from rosecli.engine.detokenizer import IncrementalDetokenizer
             seq.detokenizer = [IncrementalDetokenizer(self.tokenizer, token_ids), ""]
+        self.runner.add_request(seq)  # last: nothing else can fail and leave it half added
         self.seqs[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -140,13 +141,14 @@ class Scheduler:
             return seq.final_text
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
-    def discard_request(self, request_id: int) -> None:
-        """Drop a request (its caller went away): blocks are released at once."""
+    def discard_request(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Drop a request (its caller went away, or ``reason`` ERROR: handling it failed): its
+        blocks are released at once. A finished request is only forgotten."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return
         if not seq.is_finished:
-            self._finish(seq, FinishReason.ABORT, announce=False)
+            self._finish(seq, reason, announce=False)
         if not self.running:  # a step in flight now holds only finished sequences
             self._inflight = None
 
@@ -342,7 +344,11 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
         out[seq.request_id] = token
-        reason = self._check_stop(seq, token, length)
+        try:
+            reason = self._check_stop(seq, token, length)
+        except Exception as e:  # this request's stop check failed (its stop-string detokenizer): end it alone
+            seq.error = e
+            reason = FinishReason.ERROR
         if reason is not None:
             seq.finished_at = now
             self._finish(seq, reason)
@@ -371,10 +377,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         while seq.token_ids and seq.token_ids[-1] == PENDING:  # its step in flight is dropped
             seq.token_ids.pop()
-        seq.finish_reason = reason
-        if seq.detokenizer is not None and seq.final_text is None:
-            seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
+        if seq.detokenizer is not None and seq.final_text is None and reason is not FinishReason.ERROR:
+            try:
+                seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
+            except Exception as e:  # as in _accept: this request fails, its blocks are still freed
+                seq.error, reason = e, FinishReason.ERROR
         seq.detokenizer = None
+        seq.finish_reason = reason
         self.block_manager.free(seq)
         self.runner.release(seq)
         if seq in self.running:

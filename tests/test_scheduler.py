@@ -133,3 +133,46 @@ def test_discard_releases_blocks_at_once(hf, overlap):
     sched.discard_request(rid)
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished()
     assert sched.pop_finished_ids() == []
+
+
+def test_prompt_that_can_never_fit_the_pool_is_refused(hf, overlap):
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, num_gpu_blocks=3)
+    with pytest.raises(RequestError, match="needs 4 KV blocks of 4 tokens.*has 3 blocks"):
+        sched.add_request(_prompts((12,), 12)[0], SamplingParams())
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        sched.add_request([5, VOCAB], SamplingParams())
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        sched.add_request([-1, 5], SamplingParams())
+    with pytest.raises(RequestError, match="integers"):
+        sched.add_request([5, 6.0], SamplingParams())
+    assert not sched.has_unfinished()
+
+
+def _run_bounded(sched, prompts, params, max_steps=200):
+    """run_to_completion, but a scheduler that loops fails the test instead of hanging it."""
+    seqs = [sched.seqs[sched.add_request(p, params)] for p in prompts]
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        sched.step()
+    assert not sched.has_unfinished(), f"still unfinished after {max_steps} steps: {seqs}"
+    sched.pop_finished_ids()
+    for s in seqs:
+        sched.seqs.pop(s.request_id)
+    return seqs
+
+
+def test_outgrowing_the_whole_pool_finishes_with_length(hf, overlap):
+    """Alone, a request that would need more blocks than the pool has stops when the pool is full
+    (it used to be preempted and re-admitted forever); two such requests take turns by preemption."""
+    prompts = _prompts((3, 4), 13)  # both admitted at once (a block each), then they outgrow the pool
+    sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, num_gpu_blocks=3)
+    params = SamplingParams(max_new_tokens=100, stop_on_eos=False)
+    seq = _run_bounded(sched, prompts[:1], params)[0]
+    assert len(seq.token_ids) == 12 and seq.finish_reason.value == "length"
+    assert seq.output_token_ids == hf_greedy(hf, prompts[0], 9)
+    seqs = _run_bounded(sched, prompts, params)
+    assert [len(s.token_ids) for s in seqs] == [12, 12] and sched.num_preemptions > 0
+    assert [s.output_token_ids for s in seqs] == [hf_greedy(hf, p, 12 - len(p)) for p in prompts]
+    assert all(s.finish_reason.value == "length" for s in seqs)
+    assert sched.block_manager.num_free_blocks == 3

@@ -78,13 +78,14 @@ def test_backpressure_refuses_or_waits(tiny_engine_factory):
     engine = tiny_engine_factory("tiny-llama", max_inflight_requests=2)
     manager = StreamingManager(engine)
     try:
-        params = SamplingParams(max_new_tokens=30, **GREEDY)
+        params = SamplingParams(max_new_tokens=400, **GREEDY)  # longer than the wait below, even on a fast CPU
         a = manager.add_request([1000, 1001], params)
         b = manager.add_request([1000, 1002], params)
         with pytest.raises(OverloadedError, match="max-inflight-requests"):
             manager.add_request([1000, 1003], params, wait=False)
         waited = []
-        t = threading.Thread(target=lambda: waited.append(manager.add_request([1000, 1004], params, wait=True)))
+        short = SamplingParams(max_new_tokens=5, **GREEDY)
+        t = threading.Thread(target=lambda: waited.append(manager.add_request([1000, 1004], short, wait=True)))
         t.start()
         time.sleep(0.05)
         assert not waited  # blocked until one finishes

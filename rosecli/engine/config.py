@@ -134,11 +134,33 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+# What one request may ask for: the engine's tensors hold top_k, token ids and lengths as int32, a
+# per-request seed as torch.Generator's uint64. Anything outside fails at construction with a
+# ConfigError naming the field, never later on the engine's worker thread.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**64 - 1
+# OpenAI allows 0..2; a larger temperature is allowed (as vLLM does) up to a bound where the
+# distribution is already flat. Below GREEDY_TEMPERATURE dividing logits overflows float32, so
+# such a temperature means greedy (as vLLM's sampling epsilon).
+MAX_TEMPERATURE = 100.0
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters; each token looks for every stop string near the text's end
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and stops.
 
-    temperature == 0 means greedy decoding; top_k == 0 and top_p == 1 disable those filters.
+    temperature == 0 means greedy decoding (so does one below 1e-5); top_k == 0 and top_p == 1
+    disable those filters. Ranges: max_new_tokens 1..2**31-1, temperature 0..100, top_k
+    0..2**31-1, top_p (0, 1], seed 0..2**64-1, at most 16 stop strings of 1..256 characters, at
+    most 1024 stop token ids in 0..2**31-1.
     """
 
     max_new_tokens: int = 128
@@ -151,19 +173,34 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0.0
-               and self.temperature == self.temperature,
-               f"temperature must be >= 0, got {self.temperature!r}")
-        _check_int("top_k", self.top_k, 0)
-        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,  # NaN fails too
+               f"temperature must be >= 0 and <= {MAX_TEMPERATURE:g}, got {self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        _check_int("top_k", self.top_k, 0, MAX_INT32)
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            _check_int("seed", self.seed, 0)
+            _check_int("seed", self.seed, 0, MAX_SEED)
+        _check(isinstance(self.stop_on_eos, bool), f"stop_on_eos must be true or false, got {self.stop_on_eos!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(all(isinstance(s, str) and s for s in self.stop),
-               "stop strings must be non-empty strings")
+        _check(isinstance(self.stop, (list, tuple)), f"stop must be a list of strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        longest = max(map(len, self.stop), default=0)
+        _check(longest <= MAX_STOP_LENGTH,
+               f"stop strings must have at most {MAX_STOP_LENGTH} characters, got one of {longest}")
+        _check(isinstance(self.stop_token_ids, (list, tuple)),
+               f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, MAX_INT32)
 
     @property
     def greedy(self) -> bool:

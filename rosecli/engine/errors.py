@@ -19,3 +19,12 @@ class RequestError(RoseError, ValueError):
 
 class OverloadedError(RoseError):
     """Admission refused because too many requests are in flight."""
+
+
+class RequestFailedError(RoseError):
+    """The engine failed on one request (an internal error, chained as ``__cause__``); that request
+    ended, the engine goes on serving the others. Its message says nothing of the internals."""
+
+    def __init__(self, message: str = "the engine failed on this request (an internal error); it was "
+                                      "stopped, other requests are unaffected"):
+        super().__init__(message)

@@ -454,15 +454,16 @@ class ModelRunner:
             out[i] = tok
         return out
 
-    def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
-        if seq.params.seed is None:
-            return None
-        g = self._seq_generators.get(seq.request_id)
-        if g is None:
+    def add_request(self, seq: Sequence) -> None:
+        """Build per-request state (its seeded generator) when the request is added, so that a
+        failure there fails that request alone, not a batched step."""
+        if seq.params.seed is not None:
             g = torch.Generator(device=self.device)
             g.manual_seed(seq.params.seed)
             self._seq_generators[seq.request_id] = g
-        return g
+
+    def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
+        return self._seq_generators.get(seq.request_id)  # None: the engine's shared generator
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its seeded generator) once the request is done."""

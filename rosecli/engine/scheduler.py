@@ -12,6 +12,10 @@ Policy (stated here and kept):
 - When a decode step needs a KV block and none is free, the most recently admitted request is
   preempted: its blocks are freed and it waits at the head of the queue to be recomputed
   (prompt plus the tokens it already produced; nothing a user received is dropped or repeated).
+- A request whose prompt (plus the one token it must generate) needs more KV blocks than the
+  whole pool has is refused when added. One that grows to as many tokens as the pool holds is
+  finished with "length", as at the model's context: it could not grow even alone in the pool,
+  and waiting for room would wait forever.
 
 Overlap (``--overlap-schedule``, on by default on CUDA): while decode step N runs on the GPU,
 ``step()`` schedules and launches step N+1 (each sequence's new token is `PENDING` on the host
@@ -48,6 +52,9 @@ class Scheduler:
         self.stages = stages or runner.stages
         self.clock = clock
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache)
+        # a sequence stops at the model's context or at what the whole KV pool holds, whichever is less
+        self.max_seq_len = min(max_model_len, runner.num_blocks * config.block_size)
+        self.vocab_size: Optional[int] = getattr(runner.model, "vocab_size", None)
         self.max_active = config.max_active_requests or config.max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
@@ -76,9 +83,19 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(token_ids)} tokens but the model's context is "
                                f"{self.max_model_len}: shorten the prompt (at least one token must be left "
                                "to generate)")
-        if self.block_manager.blocks_needed(len(token_ids) + 1) > self.block_manager.num_blocks:
-            raise RequestError(f"the prompt has {len(token_ids)} tokens, more than the whole KV cache holds "
-                               f"({self.block_manager.num_blocks * self.config.block_size} tokens)")
+        bm = self.block_manager
+        if bm.blocks_needed(len(token_ids) + 1) > bm.num_blocks:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; with one token to generate it needs "
+                               f"{bm.blocks_needed(len(token_ids) + 1)} KV blocks of {bm.block_size} tokens, but "
+                               f"the whole KV cache has {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} "
+                               "tokens): shorten the prompt or raise --num-gpu-blocks")
+        if not all(type(t) is int for t in token_ids):
+            bad = next(t for t in token_ids if type(t) is not int)
+            raise RequestError(f"prompt token ids must be integers, got {bad!r}")
+        lo, hi = min(token_ids), max(token_ids)
+        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
+            raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
+                               f"[0, {self.vocab_size})")
 
     def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
                     request_id: Optional[int] = None) -> int:
@@ -97,6 +114,7 @@ class Scheduler:
         if params.stop:
             from rosecli.engine.detokenizer import IncrementalDetokenizer
             seq.detokenizer = [IncrementalDetokenizer(self.tokenizer, token_ids), ""]
+        self.runner.add_request(seq)  # last: nothing else can fail and leave it half added
         self.seqs[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -123,13 +141,14 @@ class Scheduler:
             return seq.final_text
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
-    def discard_request(self, request_id: int) -> None:
-        """Drop a request (its caller went away): blocks are released at once."""
+    def discard_request(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Drop a request (its caller went away, or ``reason`` ERROR: handling it failed): its
+        blocks are released at once. A finished request is only forgotten."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return
         if not seq.is_finished:
-            self._finish(seq, FinishReason.ABORT, announce=False)
+            self._finish(seq, reason, announce=False)
         if not self.running:  # a step in flight now holds only finished sequences
             self._inflight = None
 
@@ -254,7 +273,7 @@ class Scheduler:
 
     def _length_reached(self, seq: Sequence, length: int) -> bool:
         """A sequence of ``length`` tokens may have no more (max_new_tokens or the model's context)."""
-        return length - seq.num_prompt_tokens >= seq.params.max_new_tokens or length >= self.max_model_len
+        return length - seq.num_prompt_tokens >= seq.params.max_new_tokens or length >= self.max_seq_len
 
     def _newest_admitted(self) -> Sequence:
         candidates = self.running + self.prefilling
@@ -325,7 +344,11 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
         out[seq.request_id] = token
-        reason = self._check_stop(seq, token, length)
+        try:
+            reason = self._check_stop(seq, token, length)
+        except Exception as e:  # this request's stop check failed (its stop-string detokenizer): end it alone
+            seq.error = e
+            reason = FinishReason.ERROR
         if reason is not None:
             seq.finished_at = now
             self._finish(seq, reason)
@@ -354,10 +377,13 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         while seq.token_ids and seq.token_ids[-1] == PENDING:  # its step in flight is dropped
             seq.token_ids.pop()
-        seq.finish_reason = reason
-        if seq.detokenizer is not None and seq.final_text is None:
-            seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
+        if seq.detokenizer is not None and seq.final_text is None and reason is not FinishReason.ERROR:
+            try:
+                seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
+            except Exception as e:  # as in _accept: this request fails, its blocks are still freed
+                seq.error, reason = e, FinishReason.ERROR
         seq.detokenizer = None
+        seq.finish_reason = reason
         self.block_manager.free(seq)
         self.runner.release(seq)
         if seq in self.running:

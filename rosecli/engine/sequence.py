@@ -22,7 +22,8 @@ class SequenceStatus(enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_new_tokens or the model's context
-    ABORT = "abort"  # discarded by its caller or failed
+    ABORT = "abort"  # discarded by its caller
+    ERROR = "error"  # failed on its own (an exception while handling it); the engine goes on
 
 
 class Sequence:
@@ -36,7 +37,7 @@ class Sequence:
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
                  "status", "finish_reason", "arrival_index", "stop_text", "num_preemptions",
                  "detokenizer", "final_text", "admitted_at", "first_token_at", "finished_at",
-                 "table_version", "launch_no", "launch_row")
+                 "table_version", "launch_no", "launch_row", "error")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -62,6 +63,7 @@ class Sequence:
         self.admitted_at: Optional[float] = None
         self.first_token_at: Optional[float] = None
         self.finished_at: Optional[float] = None
+        self.error: Optional[BaseException] = None  # why it finished with FinishReason.ERROR
 
     def __len__(self) -> int:
         return len(self.token_ids)

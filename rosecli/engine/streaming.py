@@ -6,13 +6,24 @@ runs one scheduler step, then, under one lock acquisition per step, looks up the
 every request that produced a token, and fans the tokens out through per-request incremental
 detokenizers to per-request queues (flushing every ``stream_interval`` tokens and at finish).
 Cleanup is driven by the scheduler's finished events. A consumer that stops reading (its
-generator is closed, garbage-collected, or ``abort`` is called) has its request discarded and
-its KV blocks released by the worker within one step.
+generator is closed, garbage-collected, or ``abort(request_id)`` is called, say by a server that
+saw its client disconnect) has its request discarded and its KV blocks released by the worker
+within one step.
+
+Failures. Every request's stream ends with ``END``; a failed request ends the same way with its
+error set: ``finish_reason`` "error", and ``take_output`` (or iterating ``stream``) raises the
+error. An exception while handling one request (admitting it, its stop strings, detokenizing
+its tokens) fails that request only, with `RequestFailedError` (a generic message; the cause is
+chained and logged); its blocks are freed and the engine goes on. An exception in a batched step
+(the model, the device) kills the engine: the worker ends, every request in flight or queued
+ends with `EngineDeadError`, later ``add_request`` calls raise it, and ``is_alive`` /
+``health()`` say so.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -23,7 +34,10 @@ from typing import Iterator, Optional, Union
 
 from rosecli.engine.config import SamplingParams
 from rosecli.engine.detokenizer import IncrementalDetokenizer
-from rosecli.engine.errors import OverloadedError, RequestError, RoseError
+from rosecli.engine.errors import OverloadedError, RequestError, RequestFailedError, RoseError
+from rosecli.engine.sequence import FinishReason
+
+log = logging.getLogger(__name__)
 
 
 class EngineDeadError(RoseError):
@@ -161,6 +175,16 @@ class StreamingManager:
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
+    def health(self) -> dict:
+        """``{"status": "ok" | "dead" | "stopped", "error": message or None}``: "dead" once the
+        worker stopped on an error (every request then ends with EngineDeadError), "stopped" after
+        ``close`` (or a worker that is not running)."""
+        if self.error is not None:
+            return {"status": "dead", "error": f"{type(self.error).__name__}: {self.error}"}
+        if self._stop or not self._thread.is_alive():
+            return {"status": "stopped", "error": "the engine was shut down"}
+        return {"status": "ok", "error": None}
+
     def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
                     wait: bool = True, timeout: Optional[float] = None,
                     sink: Optional[queue.SimpleQueue] = None) -> int:
@@ -185,8 +209,13 @@ class StreamingManager:
         self._acquire_slot(wait, timeout)
         rid = next(self._ids)
         req = _Request(rid, params, submit, sink)
-        with self._lock:
-            self._requests[rid] = req
+        with self._lock:  # the worker's death fails every request registered before it, under this lock
+            dead = self.error is not None or self._stop
+            if not dead:
+                self._requests[rid] = req
+        if dead:
+            self._release_slot()
+            raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
         if token_ids is not None:
             self._enqueue(req, token_ids)
         else:
@@ -219,6 +248,9 @@ class StreamingManager:
             self.scheduler.validate(token_ids)
         except RequestError as e:
             self._fail(req, e)
+            return
+        except Exception as e:  # the tokenizer failed on this prompt: nobody else is hurt
+            self._request_failed(req, e, in_scheduler=False)
             return
         self._enqueue(req, token_ids)
 
@@ -256,28 +288,42 @@ class StreamingManager:
         return RequestOutput(req.rid, req.text, req.prompt_tokens, req.output_tokens, req.finish_reason, req.ts,
                              req.cached_tokens)
 
-    def call_on_worker(self, fn, timeout: float = 60.0):
+    def call_on_worker(self, fn, timeout: Optional[float] = None):
         """Run ``fn()`` on the engine's worker thread between steps and return its result (the torch
-        profiler, for one, records only the thread that starts it)."""
+        profiler, for one, records only the thread that starts it).
+
+        Waits as long as the worker lives: the step before the call may take long on a busy CPU.
+        Raises EngineDeadError if the worker stops first, TimeoutError after ``timeout`` s if given."""
         done = threading.Event()
         box: list = []
         with self._lock:
+            if self.error is not None or self._stop:
+                raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
             self._inbox.append(("call", fn, done, box))
             self._wake.notify()
-        if not done.wait(timeout):
-            raise TimeoutError("the engine worker did not run the call in time")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.wait(0.1):
+            if not self._thread.is_alive() and not done.is_set():
+                raise EngineDeadError(f"the engine stopped before running the call: "
+                                      f"{self.error or 'it was shut down'}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine worker did not run the call within {timeout} s")
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
 
-    def abort(self, rid: int) -> None:
+    def abort(self, rid: int) -> bool:
+        """Discard request ``rid`` (its consumer went away); safe from any thread, returns at once.
+        The worker frees its KV blocks before its next step and ends its stream with
+        ``finish_reason`` "abort". Returns False when the request is unknown or already ended."""
         with self._lock:
             req = self._requests.get(rid)
-            if req is None or req.done.is_set():
-                return
+            if req is None or req.done.is_set() or req.abandoned:
+                return False
             req.abandoned = True
             self._inbox.append(("discard", rid, req))
             self._wake.notify()
+        return True
 
     def stats(self) -> dict:
         """A snapshot for /metrics and the benchmarks (read without stopping the worker)."""
@@ -330,8 +376,9 @@ class StreamingManager:
                 if self.scheduler.has_unfinished():
                     self._step()
         except BaseException as e:  # the engine is dead: every stream must hear of it
-            self.error = e
-            with self._lock:
+            log.error("the engine worker stopped on an error", exc_info=e)
+            with self._lock:  # add_request registers under this lock only while no error is set
+                self.error = e
                 pending = [r for r in self._requests.values() if not r.done.is_set()]
             for req in pending:
                 self._fail(req, EngineDeadError(f"the engine stopped on an error: {type(e).__name__}: {e}"))
@@ -361,10 +408,11 @@ class StreamingManager:
             return
         try:
             self.scheduler.add_request(token_ids, params, request_id=rid)
-        except RequestError as e:
+            req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        except RequestError as e:  # refused before the scheduler took it
             self._fail(req, e)
-            return
-        req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        except Exception as e:  # building this request's state failed: it alone fails
+            self._request_failed(req, e)
 
     def _step(self) -> None:
         stages = self.stages
@@ -380,40 +428,68 @@ class StreamingManager:
             interval = self.stream_interval
             record = self.record_timestamps
             finishing = set(finished) if finished else ()
+            failed = None
             for req, tok in records:
                 if req is None or req.abandoned:
                     continue
-                req.output_tokens += 1
-                if req.output_tokens == 1:
-                    req.ts.first_token = now
-                    seq = self.scheduler.get(req.rid)
-                    if seq is not None:
-                        req.ts.admitted = seq.admitted_at
-                        req.cached_tokens = seq.num_cached_tokens
-                if record:
-                    req.ts.token_times.append(now)
-                req.unsent += req.detok.push(tok)
-                req.pending_tokens += 1
-                # first token at once; a finishing request is flushed below, after any stop-string cut
-                if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
-                    self._flush(req, now)
+                try:
+                    req.output_tokens += 1
+                    if req.output_tokens == 1:
+                        req.ts.first_token = now
+                        seq = self.scheduler.get(req.rid)
+                        if seq is not None:
+                            req.ts.admitted = seq.admitted_at
+                            req.cached_tokens = seq.num_cached_tokens
+                    if record:
+                        req.ts.token_times.append(now)
+                    req.unsent += req.detok.push(tok)
+                    req.pending_tokens += 1
+                    # first token at once; a finishing request is flushed below, after any stop-string cut
+                    if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
+                        self._flush(req, now)
+                except Exception as e:  # this request's detokenizing failed: it alone fails, below
+                    failed = failed or []
+                    failed.append((req, e))
+            if failed:
+                for req, e in failed:
+                    self._request_failed(req, e)
         with stages.range("stream_flush", len(done)):
             for req in done:
-                if req is None:
+                if req is None or req.done.is_set():
                     continue
-                seq = self.scheduler.get(req.rid)
-                reason = seq.finish_reason.value if seq is not None and seq.finish_reason else "stop"
-                final = self.scheduler.pop_response(req.rid) if seq is not None else None
-                if seq is not None and seq.final_text is not None:
-                    text = final  # cut before the stop string
-                else:
-                    text = req.text + (req.detok.flush() if req.detok else "")
-                req.final_text = text
-                req.unsent = text[req.sent:]
-                req.finish_reason = reason
-                req.ts.finish = now
-                self._flush(req, now, final=True)
-                self._close(req)
+                try:
+                    self._finish(req, now)
+                except Exception as e:
+                    self._request_failed(req, e)
+
+    def _finish(self, req: _Request, now: float) -> None:
+        """Send a finished request's last text and end its stream."""
+        seq = self.scheduler.get(req.rid)
+        if seq is not None and seq.finish_reason is FinishReason.ERROR:
+            self._request_failed(req, seq.error)
+            return
+        reason = seq.finish_reason.value if seq is not None and seq.finish_reason else "stop"
+        final = self.scheduler.pop_response(req.rid) if seq is not None else None
+        if seq is not None and seq.final_text is not None:
+            text = final  # cut before the stop string
+        else:
+            text = req.text + (req.detok.flush() if req.detok else "")
+        req.final_text = text
+        req.unsent = text[req.sent:]
+        req.finish_reason = reason
+        req.ts.finish = now
+        self._flush(req, now, final=True)
+        self._close(req)
+
+    def _request_failed(self, req: _Request, cause: Optional[BaseException], in_scheduler: bool = True) -> None:
+        """Handling one request raised ``cause``: end it alone (blocks freed, the stream gets a
+        RequestFailedError); the engine goes on. ``in_scheduler`` only on the worker thread."""
+        log.error("request %d failed, the engine goes on", req.rid, exc_info=cause)
+        if in_scheduler:
+            self.scheduler.discard_request(req.rid, FinishReason.ERROR)
+        error = RequestFailedError()
+        error.__cause__ = cause
+        self._fail(req, error)
 
     def _flush(self, req: _Request, now: float, final: bool = False) -> None:
         unsent = req.unsent

@@ -45,6 +45,10 @@ def profile(
     from rosecli.engine.llm import LLMEngine
 
     o.check_runs(warmup_runs, 1)
+    if torch_trace is not None:
+        if not torch_trace.strip():
+            o.fail("--torch-trace needs a directory name, got an empty one: pass e.g. --torch-trace traces")
+        o.check_writable_dir(f"--torch-trace {torch_trace}", torch_trace)
     spec = o.from_params(o.workload_spec, locals())
     params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
     config = o.from_params(o.engine_config, locals())

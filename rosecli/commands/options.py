@@ -235,7 +235,7 @@ UniquePrompts = Annotated[bool, typer.Option("--unique-prompts", help="Prefix ea
 Pretok = Annotated[bool, typer.Option("--pretok", help="Tokenize prompts before the run; the engine gets ids.",
                                       rich_help_panel=WORKLOAD)]
 NumRequests = Annotated[int, typer.Option("--num-requests", help="Requests per run.", max=MAX_REQUESTS,
-                                                 rich_help_panel=WORKLOAD)]
+                                          rich_help_panel=WORKLOAD)]
 InputLen = Annotated[Optional[int], typer.Option("--input-len", help="Random-token prompts of this many tokens "
                                                  "(replaces --prompt).", max=MAX_INT32, rich_help_panel=WORKLOAD)]
 OutputLen = Annotated[Optional[int], typer.Option("--output-len", help="New tokens per request (replaces "

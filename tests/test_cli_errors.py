@@ -125,7 +125,7 @@ def test_save_result_failing_late_leaves_no_tmp(tmp_path, monkeypatch):
 # ---- 5. failed requests are counted, all failing is an error ---------------------------------
 
 
-@pytest.mark.parametrize("command", ["stream", "sched"])
+@pytest.mark.parametrize("command", ["stream", "sched", "profile"])
 def test_every_request_failing_exits_1_saying_why(cache_dir, command):
     # 600 words do not fit tiny-llama's 512-token context: the engine refuses every request
     r = runner.invoke(app, _cmd(command, cache_dir, "--prompt-repeats", "600"))

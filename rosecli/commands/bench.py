@@ -41,17 +41,17 @@ def _header(engine, spec, config) -> dict:
             "Max new tokens": spec.max_new_tokens if spec.output_len is None else f"~{spec.output_len}"}
 
 
-def _failed(console: Console, out: dict) -> None:
-    """Say how many requests failed and why; every one failing is an error (exit code 1)."""
+def report_failures(console: Console, failures: list, submitted: int, runs: str = "measured runs") -> None:
+    """Say how many requests failed and why; every one failing is an error (exit code 1).
+    ``failures``: (kind, message) pairs as the bench drivers record them."""
     from rosecli.bench import report
 
-    failed, submitted = len(out["failures"]), out["submitted"]
-    if not failed:
+    if not failures:
         return
-    kinds = report.failure_kinds(out["failures"])
-    if failed >= submitted:
-        o.fail(f"all {submitted} requests of the measured runs failed, nothing was measured: {kinds}", code=1)
-    console.print(f"Failed requests: {failed} of {submitted} in the measured runs: {kinds}", highlight=False,
+    kinds = report.failure_kinds(failures)
+    if len(failures) >= submitted:
+        o.fail(f"all {submitted} requests of the {runs} failed, nothing was measured: {kinds}", code=1)
+    console.print(f"Failed requests: {len(failures)} of {submitted} in the {runs}: {kinds}", highlight=False,
                   markup=False, soft_wrap=True)
 
 
@@ -108,7 +108,7 @@ def stream(
             results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
                                 out["runs"], out["summary"], out["requests"])
             console.print(f"saved {save_result}", highlight=False)
-        _failed(console, out)
+        report_failures(console, out["failures"], out["submitted"])
     finally:
         engine.close()
 
@@ -157,7 +157,7 @@ def sched(
             results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
                                 engine.startup_times, out["runs"], out["summary"])
             console.print(f"saved {save_result}", highlight=False)
-        _failed(console, out)
+        report_failures(console, out["failures"], out["submitted"])
     finally:
         engine.close()
 

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rosecli.commands import options as o
+from rosecli.commands.bench import report_failures
 from rosecli.commands.progress import startup_progress
 from rosecli.engine.config import DEFAULT_MODEL
 
@@ -61,6 +62,7 @@ def profile(
     finally:
         engine.close()
     run = result.run
+    report_failures(console, run.failures, spec.num_requests, runs="measured window")
     tokens = sum(t.output_tokens for t in run.timings)
     table = Table(title=f"Host time per stage: {engine.model_name} on {engine.device.type}, {spec.num_requests} "
                         f"requests, {tokens} tokens in {result.window_s:.3f} s (measured window)")

@@ -42,11 +42,11 @@ def test_generate_several_prompts_as_one_batch(cache_dir):
 
 BAD = [
     (["--model", "no-such-model"], "unknown model"),
-    (["--model", "tiny-llama", "--load-format", "dummy", "--max-new-tokens", "0"], "max_new_tokens must be"),
-    (["--model", "tiny-llama", "--load-format", "dummy", "--temperature", "-1"], "temperature must be >= 0"),
-    (["--model", "tiny-llama", "--load-format", "dummy", "--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--model", "tiny-llama", "--load-format", "dummy", "--top-p", "1.5"], "top_p must be in (0, 1]"),
-    (["--model", "tiny-llama", "--load-format", "dummy", "--top-k", "-1"], "top_k must be"),
+    (["--model", "tiny-llama", "--load-format", "dummy", "--max-new-tokens", "0"], "--max-new-tokens must be"),
+    (["--model", "tiny-llama", "--load-format", "dummy", "--temperature", "-1"], "--temperature must be >= 0"),
+    (["--model", "tiny-llama", "--load-format", "dummy", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--model", "tiny-llama", "--load-format", "dummy", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--model", "tiny-llama", "--load-format", "dummy", "--top-k", "-1"], "--top-k must be"),
     (["--model", "tiny-llama", "--load-format", "dummy", "--dtype", "float8"], "--dtype must be one of"),
     (["--model", "org/some-model"], "hub"),
 ]

@@ -13,9 +13,17 @@ from typing import Callable, Optional
 from rosecli.bench.metrics import RequestTiming
 from rosecli.bench.workload import Workload
 from rosecli.engine.config import SamplingParams
+from rosecli.engine.errors import RoseError
 from rosecli.engine.streaming import END, StreamingManager
 
 Progress = Callable[[int, int, int, float], None]  # (finished requests, total, output tokens, elapsed s)
+
+
+Failure = tuple[str, str]  # (kind: the error's class name, "request i: message")
+
+
+def _failure(request: int, error: BaseException) -> Failure:
+    return type(error).__name__, f"request {request}: {error}"
 
 
 @dataclass
@@ -24,7 +32,11 @@ class StreamRun:
     wall_start: float
     wall_end: float
     submit_wall: float
-    errors: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [message for _, message in self.failures]
 
 
 def _sleep_until(target: float) -> None:
@@ -45,7 +57,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
     submitted = [0.0] * n
     returned = [0.0] * n
     index_of: dict[int, int] = {}
-    errors: list[str] = []
+    failures: list[Failure] = []
     per_params = [dataclasses.replace(params, max_new_tokens=m) for m in workload.max_new_tokens]
     start = time.perf_counter()
     submit_end = [start]
@@ -60,7 +72,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
             try:
                 rid = manager.add_request(workload.prompts[i], per_params[i], sink=sink)
             except Exception as e:  # a refused request is a reported error, not a crash
-                errors.append(f"request {i}: {e}")
+                failures.append(_failure(i, e))
                 sink.put((-1 - i, END))
                 continue
             prev = returned[i] = time.perf_counter()
@@ -88,7 +100,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
                         out = outputs[rid] = manager.take_output(rid)
                         tokens += out.output_tokens
                     except Exception as e:
-                        errors.append(f"request {rid}: {e}")
+                        failures.append(_failure(index_of.get(rid, rid), e))
             else:
                 recv.setdefault(rid, []).append(now)
         if progress and now >= next_progress:
@@ -110,7 +122,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
     if progress:
         progress(finished, n, tokens, wall_end - start)
     first_submit = min((t.submit for t in timings), default=start)
-    return StreamRun(timings, first_submit, wall_end, submit_end[0] - start, errors)
+    return StreamRun(timings, first_submit, wall_end, submit_end[0] - start, failures)
 
 
 @dataclass
@@ -122,6 +134,7 @@ class SchedRun:
     total_s: float  # first submit to last finish
     completion_tokens: int
     prompt_tokens: int
+    failures: list[Failure] = field(default_factory=list)
 
 
 def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
@@ -133,9 +146,14 @@ def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
     online = mode == "online"
     start = time.perf_counter()
     ids, submit = [], {}
-    for prompt, p in zip(workload.prompts, per_params):
+    failures: list[Failure] = []
+    for i, (prompt, p) in enumerate(zip(workload.prompts, per_params)):
         t = time.perf_counter()
-        rid = scheduler.add_request(prompt, p)
+        try:
+            rid = scheduler.add_request(prompt, p)
+        except RoseError as e:  # a request the engine refuses (too long ...) is reported, not a crash
+            failures.append(_failure(i, e))
+            continue
         submit[rid] = t
         ids.append(rid)
     first: dict[int, float] = {}
@@ -177,4 +195,4 @@ def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None))
     if progress:
         progress(n, n, tokens, end - start)
-    return SchedRun(mode, timings, prefill_s, decode_s, end - start, completion, prompt_tokens)
+    return SchedRun(mode, timings, prefill_s, decode_s, end - start, completion, prompt_tokens, failures)

@@ -33,7 +33,7 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
     stages = engine.stages
     cuda = engine.device.type == "cuda"
     try:
-        workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size)
+        workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
         for _ in range(warmup_runs):
             run_stream(manager, workload, params, progress)
             engine.scheduler.reset_prefix_cache()

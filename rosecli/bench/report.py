@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from typing import Optional, Sequence, Union
 
 from rich.console import Console
@@ -119,6 +120,15 @@ def stream_lines(m: RunMetrics) -> list[str]:
     if m.errors:
         lines.append(f"Errors: {m.errors}")
     return lines
+
+
+def failure_kinds(failures: Sequence[tuple[str, str]]) -> str:
+    """Failed requests (kind, message) as a count per kind of error, each with its first message."""
+    counts = Counter(kind for kind, _ in failures)
+    first: dict[str, str] = {}
+    for kind, message in failures:
+        first.setdefault(kind, message)
+    return "; ".join(f"{n} {kind} (first: {first[kind]})" for kind, n in counts.most_common())
 
 
 def sched_lines(m: SchedRunMetrics) -> list[str]:

@@ -30,6 +30,7 @@ Times are seconds, rates tokens/s; a figure that could not be measured is ``null
 API:
     doc = build_result(kind, config, startup, runs, summary, requests=None, command=None)
     save_result(path, kind, config, startup, runs, summary, requests=None, command=None) -> doc
+    check_result_path(path)             # raises ConfigError when --save-result cannot be written
     load_result(path) -> doc            # raises ConfigError on unreadable file / unknown schema
     run_record(label, warmup, metrics, errors=None) -> dict      # one entry of "runs"
     request_records(timings, t0) -> list[dict]                    # one entry of "requests"
@@ -40,6 +41,7 @@ API:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -163,15 +165,38 @@ def build_result(kind: str, config: dict, startup: dict, runs: list[dict], summa
 def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,
                 requests: Optional[list] = None, command: Optional[str] = None, env: Optional[dict] = None) -> dict:
     """Write the result document to ``path`` (atomically) and return it."""
+    check_result_path(path)
     doc = build_result(kind, config, startup, runs, summary, requests, command, env)
     tmp = f"{path}.tmp"
+    left = False  # a temporary file of ours that is not moved into place is removed, never left behind
     try:
         with open(tmp, "w") as f:
+            left = True
             json.dump(doc, f, indent=1, default=str, allow_nan=False)
         os.replace(tmp, path)
+        left = False
     except OSError as e:
         raise ConfigError(f"--save-result: cannot write {path}: {e.strerror}") from None
+    finally:
+        if left:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
     return doc
+
+
+def check_result_path(path: str) -> None:
+    """Refuse a --save-result path that cannot be written, before any benchmark runs."""
+    if not path.strip():
+        raise ConfigError("--save-result needs a file name, got an empty one: pass e.g. --save-result result.json")
+    if os.path.isdir(path):
+        raise ConfigError(f"--save-result {path} is a directory: pass a file name, e.g. "
+                          f"{os.path.join(path, 'result.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"--save-result {path}: the directory {parent} does not exist: create it or pass "
+                          "another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--save-result {path} is not writable: pass a path you can write to")
 
 
 def load_result(path: str) -> dict:
@@ -189,4 +214,11 @@ def load_result(path: str) -> dict:
                           "(written by rose bench ... --save-result)")
     if doc.get("kind") not in KINDS or not isinstance(doc.get("runs"), list) or not isinstance(doc.get("summary"), dict):
         raise ConfigError(f"{path}: schema {SCHEMA} file without a valid kind, runs list or summary")
+    for section in ("config", "environment", "startup"):
+        if not isinstance(doc.get(section, {}), dict):
+            raise ConfigError(f"{path}: {section!r} is not an object: the file is damaged, save the result again")
+    for i, run in enumerate(doc["runs"]):
+        if not isinstance(run, dict) or not isinstance(run.get("figures", {}), dict):
+            raise ConfigError(f"{path}: run {i} is not an object with a figures object: the file is damaged, "
+                              "save the result again")
     return doc

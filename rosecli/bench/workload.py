@@ -52,8 +52,8 @@ class WorkloadSpec:
         if self.submit_schedule not in SCHEDULES:
             raise ConfigError(f"--submit-schedule must be one of {', '.join(SCHEDULES)}, "
                               f"got {self.submit_schedule!r}")
-        if self.submit_interval_ms < 0:
-            raise ConfigError(f"--submit-interval-ms must be >= 0, got {self.submit_interval_ms}")
+        if not 0 <= self.submit_interval_ms < math.inf:
+            raise ConfigError(f"--submit-interval-ms must be a finite number >= 0, got {self.submit_interval_ms}")
         if self.request_rate is not None and not self.request_rate > 0:
             raise ConfigError(f"--request-rate must be > 0 requests/s (inf for all at once), got {self.request_rate}")
         if self.request_rate is not None and self.submit_interval_ms > 0:
@@ -80,7 +80,13 @@ def _lengths(mean: int, ratio: float, n: int, rng: np.random.Generator) -> list[
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)] if hi > lo else [mean] * n
 
 
-def build_workload(spec: WorkloadSpec, tokenizer, vocab_size: int) -> Workload:
+def build_workload(spec: WorkloadSpec, tokenizer, vocab_size: int, max_model_len: Optional[int] = None) -> Workload:
+    """``max_model_len``: the model's context; an --input-len that cannot fit is refused before any
+    prompt is made (a prompt of that many ids would only be refused by the engine, and a huge one
+    would not fit in memory)."""
+    if max_model_len is not None and spec.input_len is not None and spec.input_len >= max_model_len:
+        raise ConfigError(f"--input-len {spec.input_len} does not fit the model's context of {max_model_len} "
+                          f"tokens (one must be left to generate): pass at most {max_model_len - 1}")
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
     if spec.input_len is not None:

@@ -41,6 +41,20 @@ def _header(engine, spec, config) -> dict:
             "Max new tokens": spec.max_new_tokens if spec.output_len is None else f"~{spec.output_len}"}
 
 
+def report_failures(console: Console, failures: list, submitted: int, runs: str = "measured runs") -> None:
+    """Say how many requests failed and why; every one failing is an error (exit code 1).
+    ``failures``: (kind, message) pairs as the bench drivers record them."""
+    from rosecli.bench import report
+
+    if not failures:
+        return
+    kinds = report.failure_kinds(failures)
+    if len(failures) >= submitted:
+        o.fail(f"all {submitted} requests of the {runs} failed, nothing was measured: {kinds}", code=1)
+    console.print(f"Failed requests: {len(failures)} of {submitted} in the {runs}: {kinds}", highlight=False,
+                  markup=False, soft_wrap=True)
+
+
 def _config_dict(config, spec, params, **extra) -> dict:
     return {**dataclasses.asdict(config), **dataclasses.asdict(spec), **dataclasses.asdict(params), **extra}
 
@@ -69,6 +83,8 @@ def stream(
     from rosecli.bench.run import bench_stream
 
     o.check_runs(warmup_runs, repeat_runs)
+    if save_result is not None:
+        results.check_result_path(save_result)
     spec = o.from_params(o.workload_spec, locals())
     params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
     config = o.from_params(o.engine_config, locals())
@@ -88,10 +104,11 @@ def stream(
         with report.RunTable(console, "stream", "streaming benchmark") as table:
             out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table)
         report.print_stream_summary(console, out["measured"], out["summary"])
-        if save_result:
+        if save_result is not None:
             results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
                                 out["runs"], out["summary"], out["requests"])
             console.print(f"saved {save_result}", highlight=False)
+        report_failures(console, out["failures"], out["submitted"])
     finally:
         engine.close()
 
@@ -118,6 +135,8 @@ def sched(
     from rosecli.bench.run import bench_sched
 
     o.check_runs(warmup_runs, repeat_runs)
+    if save_result is not None:
+        results.check_result_path(save_result)
     if mode not in ("offline", "online"):
         raise ConfigError(f"--mode must be offline or online, got {mode!r}")
     spec = o.from_params(o.workload_spec, locals(), submit_interval_ms=0.0, submit_schedule="absolute",
@@ -134,10 +153,11 @@ def sched(
         with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:
             out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table)
         report.print_sched_summary(console, mode, warmup_runs, out["pairs"], len(out["measured"]))
-        if save_result:
+        if save_result is not None:
             results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
                                 engine.startup_times, out["runs"], out["summary"])
             console.print(f"saved {save_result}", highlight=False)
+        report_failures(console, out["failures"], out["submitted"])
     finally:
         engine.close()
 

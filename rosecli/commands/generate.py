@@ -33,6 +33,8 @@ def generate(
     from rosecli.engine.llm import LLMEngine
 
     t_start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        o.check_text(f"prompt argument {i + 1}" if len(prompts) > 1 else "the prompt argument", p)
     params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
     batch = max(1, len(prompts))
     config = o.from_params(o.engine_config, locals(), max_batch_size=batch, prefill_max_batch_size=batch)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rosecli.commands import options as o
+from rosecli.commands.bench import report_failures
 from rosecli.commands.progress import startup_progress
 from rosecli.engine.config import DEFAULT_MODEL
 
@@ -45,6 +46,10 @@ def profile(
     from rosecli.engine.llm import LLMEngine
 
     o.check_runs(warmup_runs, 1)
+    if torch_trace is not None:
+        if not torch_trace.strip():
+            o.fail("--torch-trace needs a directory name, got an empty one: pass e.g. --torch-trace traces")
+        o.check_writable_dir(f"--torch-trace {torch_trace}", torch_trace)
     spec = o.from_params(o.workload_spec, locals())
     params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
     config = o.from_params(o.engine_config, locals())
@@ -57,6 +62,7 @@ def profile(
     finally:
         engine.close()
     run = result.run
+    report_failures(console, run.failures, spec.num_requests, runs="measured window")
     tokens = sum(t.output_tokens for t in run.timings)
     table = Table(title=f"Host time per stage: {engine.model_name} on {engine.device.type}, {spec.num_requests} "
                         f"requests, {tokens} tokens in {result.window_s:.3f} s (measured window)")

@@ -3,6 +3,12 @@ tokenizer), driven by the official openai client and raw httpx."""
 
 from __future__ import annotations
 
+import pytest
+
+# the server's optional extras (rosecli[serve]) and the test clients: absent on a bare GPU image
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    pytest.importorskip(_extra)
+
 import json
 import os
 import socket
@@ -12,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rosecli.engine.config import EngineConfig

@@ -3,6 +3,12 @@ regression test through a real uvicorn server on 127.0.0.1 (tests/test_server.py
 
 from __future__ import annotations
 
+import pytest
+
+# the server's optional extras (rosecli[serve]) and the test clients: absent on a bare GPU image
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    pytest.importorskip(_extra)
+
 import json
 import logging
 import socket
@@ -11,7 +17,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 
 from test_server import MODEL, LiveServer, metrics
 

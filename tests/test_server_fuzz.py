@@ -6,10 +6,15 @@ and the engine keeps serving. Bounded (derandomized, a fixed number of examples)
 
 from __future__ import annotations
 
+import pytest
+
+# the server's optional extras (rosecli[serve]) and the test clients: absent on a bare GPU image
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "hypothesis"):
+    pytest.importorskip(_extra)
+
 import json
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -4,6 +4,12 @@ traceback; a port already in use fails at once, before the model loads."""
 
 from __future__ import annotations
 
+import pytest
+
+# the server's optional extras (rosecli[serve]) and the test clients: absent on a bare GPU image
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    pytest.importorskip(_extra)
+
 import json
 import logging
 import os

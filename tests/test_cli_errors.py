@@ -207,3 +207,18 @@ def test_compare_missing_and_damaged_files(tmp_path):
         _one_line_error(r, name, message)
     r = runner.invoke(app, ["bench", "compare", str(ok), str(ok)])
     assert r.exit_code == 0, r.output
+
+
+# ---- --cpu-weights and --threads -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag,value,needles", [
+    ("--cpu-weights", "int2", ["--cpu-weights", "auto, int4, float16, int8, float", "'int2'"]),
+    ("--threads", "0", ["--threads", "between 1 and 1024", "0"]),
+    ("--threads", "100000", ["--threads", "between 1 and 1024"]),
+    ("--threads", "two", ["--threads"]),
+])
+def test_cpu_weights_and_threads_bad_values(cache_dir, flag, value, needles):
+    for command in ("generate", "stream"):
+        r = runner.invoke(app, _cmd(command, cache_dir, flag, value))
+        _one_line_error(r, *needles)

@@ -266,3 +266,47 @@ def test_gguf_path_converts_like_the_default(smollm2, tmp_path, smollm2_gguf_pat
     assert loaded.name == "my-model" and loaded.source.startswith(os.path.join(cache, "models", "gguf-my-model-"))
     ours, ref = loaded.model.state_dict(), smollm2.model.state_dict()
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+def test_prepared_cpu_weights_are_cached_checked_and_never_used_damaged(cache_dir, tmp_path, monkeypatch):
+    """--cpu-weights other than float: prepared once, loaded from the cache after (same logits, nothing
+    re-prepared); a cached file changed on disk is named in an error and not loaded."""
+    from rosecli.engine import cpu_cache
+    from rosecli.engine.models import quant
+
+    path = _save_hf_dir(tiny_hf_model("llama"), tmp_path / "m", cache_dir)
+    first = _load(cache_dir, str(path), cpu_weights="float16")
+    ids = [5, 9, 200, 7, 31]
+    ref = _prefill_logits(first.model, ids)
+    monkeypatch.setattr(quant, "prepare_cpu_weights", lambda *a: pytest.fail("prepared again"))
+    again = _load(cache_dir, str(path), cpu_weights="float16")
+    assert isinstance(again.model.layers[0].qkv_proj, quant.Float16Linear)
+    assert torch.equal(_prefill_logits(again.model, ids), ref)
+    key = cpu_cache.cache_key([path / "model.safetensors"], "float16")
+    weights = loader.cache_root(_config(cache_dir, str(path))) / "cpu-weights" / key / cpu_cache.WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte changed
+    weights.write_bytes(bytes(data))
+    message = _load_error(cache_dir, str(path), cpu_weights="float16")
+    assert str(weights.parent) in message and "checksum mismatch" in message and "Delete that directory" in message
+    weights.write_bytes(bytes(data[:100]))
+    assert "bytes" in _load_error(cache_dir, str(path), cpu_weights="float16")
+
+
+def test_converted_cache_damage_is_named(tmp_path):
+    """A converted GGUF cache lists its files' sizes and checksums; a changed one is refused by name."""
+    from rosecli.engine import file_check
+    from rosecli.engine.gguf_convert import MARKER, check_converted
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 1000)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / MARKER).write_text(json.dumps({"files": file_check.manifest(tmp_path, ["model.safetensors",
+                                                                                      "config.json"])}))
+    check_converted(tmp_path)  # as written: no error
+    (tmp_path / "model.safetensors").write_bytes(b"weightz" * 1000)
+    with pytest.raises(ModelLoadError, match=r"converted model cache .* is corrupt: model.safetensors has changed"):
+        check_converted(tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 1000)
+    with pytest.raises(ModelLoadError, match="config.json is missing"):
+        check_converted(tmp_path)

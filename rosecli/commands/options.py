@@ -14,16 +14,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from rosecli.engine.config import EngineConfig, SamplingParams, default_threads
+from rosecli.engine.config import MAX_INT32, MAX_SEED, EngineConfig, SamplingParams, default_threads
 from rosecli.engine.errors import ConfigError, RoseError
 
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 # Upper bounds checked as the command line is parsed, so a huge number is refused naming its flag
-# before it reaches a fixed-width integer (token counts and lengths are int32 in the engine's
-# tensors, the seed is torch's uint64) or sizes a list.
-MAX_INT32 = 2**31 - 1
-MAX_SEED = 2**64 - 1
+# before it reaches a fixed-width integer (the engine's MAX_INT32 and MAX_SEED) or sizes a list.
 MAX_REQUESTS = 100_000
 MAX_RUNS = 1000
 

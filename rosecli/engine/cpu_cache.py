@@ -74,11 +74,7 @@ def save(directory: Path, model: torch.nn.Module) -> bool:
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "layout": quant.layout(model),
                                                 "files": file_check.manifest(tmp, [WEIGHTS])}))
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o666 & ~mask)
+        file_check.follow_umask(tmp)
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)

@@ -8,11 +8,21 @@ a second; a cryptographic hash would cost several times that and guard against n
 
 from __future__ import annotations
 
+import os
 import zlib
 from pathlib import Path
 from typing import Optional
 
 CHUNK = 16 << 20
+
+
+def follow_umask(root: Path) -> None:
+    """mkdtemp and safetensors create private (0700/0600) entries; a cache follows the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for f in Path(root).iterdir():
+        os.chmod(f, 0o666 & ~mask)
 
 
 def crc32(path: Path) -> int:

@@ -164,7 +164,7 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
         files = file_check.manifest(tmp, sorted(f.name for f in tmp.iterdir()))
         (tmp / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION, "source": os.path.abspath(path),
                                               "size": st.st_size, "mtime": int(st.st_mtime), "files": files}))
-        _chmod_tree(tmp)
+        file_check.follow_umask(tmp)
         if progress:
             progress("convert", total, total)
         if out_dir.exists():
@@ -178,15 +178,6 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def _chmod_tree(root: Path) -> None:
-    """mkdtemp and safetensors create private (0700/0600) entries; a cache follows the umask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(root, 0o777 & ~mask)
-    for f in root.iterdir():
-        os.chmod(f, 0o666 & ~mask)
 
 
 def is_converted(out_dir: Path, source: str) -> bool:

@@ -22,7 +22,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from rosecli.engine.config import SamplingParams
+from rosecli.engine.config import (MAX_INT32, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                   SamplingParams)
 from rosecli.engine.errors import ConfigError
 
 
@@ -54,14 +55,11 @@ SHUTTING_DOWN = "shutting_down"
 
 INTERNAL_MESSAGE = "The server had an error while processing your request; the server log has the details."
 
-# What the engine can represent: seeds seed a torch.Generator (int64), top_k becomes an int32-safe
-# tensor entry; OpenAI's temperature range.
+# Within what the engine can represent (rosecli.engine.config): OpenAI's seed is an int64 and its
+# temperature range 0..2; top_k, stop strings and ids as the engine bounds them.
 MAX_SEED = 2 ** 63 - 1
-MAX_TOP_K = 2 ** 31 - 1
+MAX_TOP_K = MAX_INT32
 MAX_TEMPERATURE = 2.0
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1000  # a stop string this long holds back as much streamed text
-MAX_STOP_TOKEN_IDS = 1024
 
 
 class APIError(Exception):
@@ -292,8 +290,8 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"stop holds {len(stop)} strings: at most {MAX_STOP_STRINGS}", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise bad_request(f"a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
+    if any(len(s) > MAX_STOP_LENGTH for s in stop):
+        raise bad_request(f"a stop string is longer than {MAX_STOP_LENGTH} characters", "stop")
     stop = [s for s in stop if s]  # an empty stop string can never match
     stop_token_ids = list(req.stop_token_ids or [])
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -69,10 +69,11 @@ StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush st
 TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
                                               "the engine thread (0: tokenize on the caller's thread).",
                                               rich_help_panel=ENGINE)]
-CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU, what the linear layers read: auto (4-bit "
-                                         "codes where the weights are 4-bit, as in a Q4 GGUF; float16 elsewhere) | "
-                                         "int4 | float16 | int8 | float (as loaded, the reference). docs/cpu.md "
-                                         "has each one's speed and agreement.", rich_help_panel=ENGINE)]
+CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU, what the linear layers read: auto "
+                                         "(gate/up as their own 4-bit codes where the weights are 4-bit, as in a "
+                                         "Q4 GGUF; the rest float16) | int4 | float16 | int8 | float (as loaded, "
+                                         "the reference). docs/cpu.md has each one's speed and agreement.",
+                                         rich_help_panel=ENGINE)]
 Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the model's math. Default: "
                                                 "the CPUs this process may use less those other programs keep "
                                                 f"busy at start ({default_threads()} now).",

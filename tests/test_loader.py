@@ -295,12 +295,12 @@ def test_prepared_cpu_weights_are_cached_checked_and_never_used_damaged(cache_di
 
 def test_converted_cache_damage_is_named(tmp_path):
     """A converted GGUF cache lists its files' sizes and checksums; a changed one is refused by name."""
-    from rosecli.engine import file_check
+    from rosecli.engine import cache_files
     from rosecli.engine.gguf_convert import MARKER, check_converted
 
     (tmp_path / "model.safetensors").write_bytes(b"weights" * 1000)
     (tmp_path / "config.json").write_text("{}")
-    (tmp_path / MARKER).write_text(json.dumps({"files": file_check.manifest(tmp_path, ["model.safetensors",
+    (tmp_path / MARKER).write_text(json.dumps({"files": cache_files.manifest(tmp_path, ["model.safetensors",
                                                                                       "config.json"])}))
     check_converted(tmp_path)  # as written: no error
     (tmp_path / "model.safetensors").write_bytes(b"weightz" * 1000)

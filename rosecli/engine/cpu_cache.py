@@ -8,7 +8,7 @@ layers as they are, plus the embedding and norms. The key covers everything the 
 on: the source weight files (path, size, modification time), the representation and which layers
 it leaves in float16, torch's version
 and the CPU kernel family (torch packs 4-bit codes differently for AVX-512 and AVX2). A manifest of
-sizes and checksums (`rosecli.engine.file_check`) is checked before every use; a cache that fails it
+sizes and checksums (`rosecli.engine.cache_files`) is checked before every use; a cache that fails it
 is named in an error and never used.
 """
 
@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from rosecli.engine import file_check
+from rosecli.engine import cache_files
 from rosecli.engine.errors import ModelLoadError
 from rosecli.engine.models import quant
 
@@ -49,7 +46,7 @@ def load(directory: Path, model: torch.nn.Module) -> Optional[torch.nn.Module]:
         return None
     try:
         info = json.loads(manifest.read_text())
-        wrong = file_check.first_mismatch(directory, info["files"])
+        wrong = cache_files.first_mismatch(directory, info["files"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         wrong = f"{MANIFEST} cannot be read ({type(e).__name__})"
     if wrong is None:
@@ -66,24 +63,15 @@ def save(directory: Path, model: torch.nn.Module) -> bool:
     cannot be written (the run goes on without it)."""
     from safetensors.torch import save_file
 
-    tmp: Optional[Path] = None
     try:
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".tmp-", dir=directory.parent))
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "layout": quant.layout(model),
-                                                "files": file_check.manifest(tmp, [WEIGHTS])}))
-        file_check.follow_umask(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        with cache_files.writing_dir(directory) as tmp:
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / WEIGHTS),
+                      metadata={"format": "pt"})
+            (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "layout": quant.layout(model),
+                                                    "files": cache_files.manifest(tmp, [WEIGHTS])}))
         return True
     except OSError:
         return (directory / MANIFEST).is_file()  # another process may have written the same cache first
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def prepared(directory: Path, model: torch.nn.Module, kind: str,

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
-from rosecli.engine import file_check
+from rosecli.engine import cache_files
 from rosecli.engine.errors import ModelLoadError
 
 CONVERTER_VERSION = 2  # 2: the marker lists each file's size and checksum
@@ -112,71 +110,64 @@ def convert_gguf(path: str, out_dir: Path, progress: Optional[Callable[[str, int
         "hidden_act": "silu", "torch_dtype": "float32", "attention_bias": False,
     }
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        tensors = {}
-        n = len(reader.tensors)
-        tok_steps = max(1, n // 2)
-        total = n + tok_steps + 1
-        for i, t in enumerate(reader.tensors):
-            try:
-                w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-            except Exception as e:
-                raise _corrupt(path, e, fix) from None
-            name = t.name
-            if name == "token_embd.weight":
-                hf = "model.embed_tokens.weight"
-            elif name == "output_norm.weight":
-                hf = "model.norm.weight"
-            elif name == "output.weight":
-                hf = "lm_head.weight"
-            elif name.startswith("blk."):
-                _, layer, kind, suffix = name.split(".", 3)
-                if kind not in _LAYER_NAMES:
+        with cache_files.writing_dir(out_dir) as tmp:
+            tensors = {}
+            n = len(reader.tensors)
+            tok_steps = max(1, n // 2)
+            total = n + tok_steps + 1
+            for i, t in enumerate(reader.tensors):
+                try:
+                    w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+                except Exception as e:
+                    raise _corrupt(path, e, fix) from None
+                name = t.name
+                if name == "token_embd.weight":
+                    hf = "model.embed_tokens.weight"
+                elif name == "output_norm.weight":
+                    hf = "model.norm.weight"
+                elif name == "output.weight":
+                    hf = "lm_head.weight"
+                elif name.startswith("blk."):
+                    _, layer, kind, suffix = name.split(".", 3)
+                    if kind not in _LAYER_NAMES:
+                        continue
+                    if kind == "attn_q":
+                        w = _unpermute(w, n_head)
+                    elif kind == "attn_k":
+                        w = _unpermute(w, n_kv)
+                    hf = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+                else:
                     continue
-                if kind == "attn_q":
-                    w = _unpermute(w, n_head)
-                elif kind == "attn_k":
-                    w = _unpermute(w, n_kv)
-                hf = f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
-            else:
-                continue
-            tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+                tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+                if progress:
+                    progress("convert", i + 1, total)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            del tensors
+            (tmp / "config.json").write_text(json.dumps(config, indent=1))
             if progress:
-                progress("convert", i + 1, total)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
-        if progress:
-            progress("convert", n + 1, total)
-        try:
-            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                gguf_file=os.path.basename(path))
-        except Exception as e:
-            raise ModelLoadError(f"cannot build a tokenizer from {path} ({type(e).__name__}: "
-                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}): the GGUF file's "
-                                 f"tokenizer is missing or of a kind transformers cannot convert; {fix}") from None
-        tok.save_pretrained(str(tmp))
-        (tmp / "generation_config.json").write_text(json.dumps(
-            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
-        st = os.stat(path)
-        files = file_check.manifest(tmp, sorted(f.name for f in tmp.iterdir()))
-        (tmp / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION, "source": os.path.abspath(path),
-                                              "size": st.st_size, "mtime": int(st.st_mtime), "files": files}))
-        file_check.follow_umask(tmp)
-        if progress:
-            progress("convert", total, total)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not is_converted(out_dir, path):  # else another process finished the same conversion first
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+                progress("convert", n + 1, total)
+            try:
+                tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                    gguf_file=os.path.basename(path))
+            except Exception as e:
+                first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise ModelLoadError(f"cannot build a tokenizer from {path} ({type(e).__name__}: {first_line}): the "
+                                     "GGUF file's tokenizer is missing or of a kind transformers cannot convert; "
+                                     f"{fix}") from None
+            tok.save_pretrained(str(tmp))
+            (tmp / "generation_config.json").write_text(json.dumps(
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}))
+            st = os.stat(path)
+            files = cache_files.manifest(tmp, sorted(f.name for f in tmp.iterdir()))
+            (tmp / MARKER).write_text(json.dumps({"converter_version": CONVERTER_VERSION,
+                                                  "source": os.path.abspath(path), "size": st.st_size,
+                                                  "mtime": int(st.st_mtime), "files": files}))
+            if progress:
+                progress("convert", total, total)
+    except OSError:
+        if not is_converted(out_dir, path):  # else another process finished the same conversion first
+            raise
     return out_dir
 
 
@@ -200,7 +191,7 @@ def check_converted(out_dir: Path) -> None:
     if not marker.is_file():
         return
     try:
-        wrong = file_check.first_mismatch(out_dir, json.loads(marker.read_text())["files"])
+        wrong = cache_files.first_mismatch(out_dir, json.loads(marker.read_text())["files"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         wrong = f"{MARKER} cannot be read ({type(e).__name__})"
     if wrong:

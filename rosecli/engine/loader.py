@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 
 from rosecli.engine.config import EngineConfig
 from rosecli.engine.errors import ConfigError, ModelLoadError
-from rosecli.engine import cpu_cache
+from rosecli.engine import cache_files, cpu_cache
 from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_converted
 from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
@@ -247,24 +245,13 @@ def dummy_tokenizer(config: EngineConfig):
         raise ModelLoadError(f"cannot read the tokenizer from {gguf_path} ({type(e).__name__}): the file is corrupt; "
                              f"{REINSTALL_SMOLLM2}") from None
     out = root / "tokenizers" / "smollm2"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="smollm2.tmp-", dir=out.parent))
     try:
-        tok.save_pretrained(str(tmp))
-        os.chmod(tmp, 0o777 & ~_umask())
-        os.replace(tmp, out)
+        with cache_files.writing_dir(out) as tmp:
+            tok.save_pretrained(str(tmp))
     except OSError:
         if not (out / "tokenizer.json").is_file():  # else another process won the race: use theirs
             raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return tok
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def resolve_hf_config(config: EngineConfig, progress=None):

@@ -7,8 +7,8 @@ it must not change what the model says. `--cpu-weights`:
   groups (every group of 32 input weights is ``d * q + m`` with ``q`` in 0..15, as a Q4_0/Q4_1 GGUF
   dequantizes) runs as `Int4Linear`, which reads those 4-bit codes and reproduces the weights bit
   for bit; the layers where bfloat16 activations cost accuracy (`FLOAT16_LAYERS`), every other
-  layer and the output layer run as `Float16Linear`. No weight is rounded a second time beyond float16, so the default adds no
-  quantization of its own to the checkpoint's.
+  layer and the output layer run as `Float16Linear`. No weight is rounded a second time beyond
+  float16, so the default adds no quantization of its own to the checkpoint's.
 - ``int4``: every layer (input width a multiple of 32) as `Int4Linear`, quantizing float weights
   (min/max per group of 32) where they are not 4-bit already; the output layer float16.
 - ``float16``: every linear layer and the output layer as `Float16Linear`.

@@ -28,6 +28,10 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
 SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
                                                    "(schema rosecli.bench/1).")]
+AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After each run, drive the same workload "
+                                              "through the scheduler directly (as bench sched --mode offline, in "
+                                              "this process) and report the streaming manager's throughput "
+                                              "overhead against it. Needs every request at once.")]
 Mode = Annotated[str, typer.Option("--mode", help="offline: run all requests to completion; online: also "
                                    "timestamp each request's submit, first token and finish.")]
 
@@ -67,8 +71,8 @@ def _config_dict(config, spec, params, **extra) -> dict:
 @o.user_errors
 @o.with_options(o.engine_options(), o.workload_options(), o.sampling_options(exclude=("stop",)))
 def stream(
-    config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, save_result: SaveResult = None, *,
-    warmup_runs: int, repeat_runs: int,
+    config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, save_result: SaveResult = None,
+    against_direct: AgainstDirect = False, *, warmup_runs: int, repeat_runs: int,
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
@@ -77,6 +81,9 @@ def stream(
     o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
+    if against_direct and (spec.request_rate is not None or spec.submit_interval_ms > 0):
+        raise ConfigError("--against-direct compares runs that submit every request at once: leave out "
+                          "--request-rate and --submit-interval-ms")
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
@@ -92,8 +99,10 @@ def stream(
             console.print(line, highlight=False)
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "stream", "streaming benchmark") as table:
-            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table)
+            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, against_direct)
         report.print_stream_summary(console, out["measured"], out["summary"])
+        if against_direct and (line := report.against_direct_line(out["summary"])):
+            console.print(line, highlight=False)
         if save_result is not None:
             results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
                                 out["runs"], out["summary"], out["requests"])

@@ -32,7 +32,8 @@ def build_ours(hf_config, state_dict, device, dtype, batch, graphs, paged):
     model.load_weights(state_dict.items())
     model = model.to(device=device, dtype=dtype).eval()
     config = EngineConfig(device=device.type, max_batch_size=max(batch, 1), prefill_max_batch_size=max(batch, 1),
-                          cuda_graph=graphs, paged_attn=paged, enable_prefix_cache=False, num_gpu_blocks=4096)
+                          cuda_graph=graphs, paged_attn=paged, enable_prefix_cache=False,
+                          num_gpu_blocks=4096).resolved(device.type)
     runner = ModelRunner(config, model, hf_config.n_positions, device, dtype)
     runner.prepare()
     return Scheduler(config, runner, None, [], hf_config.n_positions)

@@ -40,7 +40,7 @@ def our_model(hf_model):
 
 def tiny_scheduler(hf_model, tokenizer=None, eos=(1,), **config_kw) -> Scheduler:
     config_kw.setdefault("device", "cpu")
-    config = EngineConfig(**config_kw)
+    config = EngineConfig(**config_kw).resolved("cpu")
     model = our_model(hf_model)
     max_len = hf_model.config.max_position_embeddings
     runner = ModelRunner(config, model, max_len, torch.device("cpu"), torch.float32)

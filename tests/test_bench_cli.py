@@ -46,6 +46,24 @@ def test_poisson_arrivals_and_random_lengths(cache_dir):
     assert "Poisson 200.0 req/s" in r.output
 
 
+def test_stream_against_the_scheduler_directly(cache_dir, tmp_path):
+    """--against-direct: each run is followed by the same workload through the scheduler directly; the
+    summary names the manager's overhead and the saved result holds the direct throughput per run."""
+    path = tmp_path / "r.json"
+    r = _bench("stream", cache_dir, "--num-requests", "4", "--max-new-tokens", "8", "--warmup-runs", "1",
+               "--repeat-runs", "2", "--against-direct", "--save-result", str(path))
+    assert r.exit_code == 0, r.output
+    line = " ".join(r.output[r.output.index("Against the scheduler directly"):].split())
+    assert "tokens/s direct" in line and "through the streaming manager, overhead" in line
+    doc = json.loads(path.read_text())
+    assert all(run["figures"]["throughput_direct"] > 0 for run in doc["runs"])
+    assert doc["summary"]["throughput_direct"] > 0
+    r = runner.invoke(app, ["bench", "compare", str(path), str(path)])
+    assert r.exit_code == 0 and "Throughput (scheduler directly)" in r.output, r.output
+    r = _bench("stream", cache_dir, "--against-direct", "--request-rate", "50")
+    assert r.exit_code == 2 and "--against-direct compares runs that submit every request at once" in r.output
+
+
 @pytest.mark.parametrize("args,message", [
     (["--warmup-runs", "-1"], "--warmup-runs must be >= 0"),
     (["--repeat-runs", "0"], "--repeat-runs must be >= 1"),

@@ -96,6 +96,14 @@ def test_nvtx_refused_without_a_gpu(cache_dir, monkeypatch):
     _one_line_error(runner.invoke(app, args), "--nvtx", "no CUDA GPU")
 
 
+@pytest.mark.parametrize("command", ["generate", "stream", "profile"])
+@pytest.mark.parametrize("flag", ["--paged-attn", "--cuda-graph"])
+def test_cuda_only_paths_refused_on_cpu(cache_dir, command, flag):
+    """Once silently ignored on CPU; now one line naming the flag, before the model loads."""
+    r = runner.invoke(app, _cmd(command, cache_dir, flag))
+    _one_line_error(r, flag, "needs a CUDA GPU", "the engine runs on cpu", f"leave out {flag}")
+
+
 # ---- 4. --save-result checked before the run -------------------------------------------------
 
 

@@ -46,7 +46,7 @@ def _prefill_logits(model, ids):
 
 
 def _greedy(model, prompts, n=24):
-    config = EngineConfig(device="cpu", block_size=4)
+    config = EngineConfig(device="cpu", block_size=4).resolved("cpu")
     runner = ModelRunner(config, model, 256, torch.device("cpu"), torch.float32)
     sched = Scheduler(config, runner, None, [1], 256)
     return [s.output_token_ids for s in sched.run_to_completion(prompts, SamplingParams(max_new_tokens=n,

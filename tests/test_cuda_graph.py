@@ -22,7 +22,7 @@ def _scheduler(kind: str, graphs: bool, max_batch: int = 24, overlap=None):
     hf = tiny_hf_model(kind, seed=21, vocab=512)
     model = our_model(hf).to("cuda", torch.float16)
     config = EngineConfig(device="cuda", max_batch_size=max_batch, cuda_graph=graphs, paged_attn=True,
-                          num_gpu_blocks=512, block_size=16, overlap_schedule=overlap)
+                          num_gpu_blocks=512, block_size=16, overlap_schedule=overlap).resolved("cuda")
     runner = ModelRunner(config, model, 256, torch.device("cuda"), torch.float16)
     runner.prepare()
     return Scheduler(config, runner, None, [1], 256)

@@ -30,7 +30,8 @@ _FIRST = ("throughput_completion", "throughput_total", "throughput_decode", "dec
           "ttft_p95", "ttft_p99", "tpot_p50", "tpot_p95", "tpot_p99", "itl_p50", "itl_p95", "itl_p99",
           "latency_p50", "latency_p95", "latency_p99")
 _RATE_LABELS = {"throughput_completion": "Throughput (completion)", "throughput_total": "Throughput (total)",
-                "throughput_decode": "Throughput (completion,decode)"}
+                "throughput_decode": "Throughput (completion,decode)",
+                "throughput_direct": "Throughput (scheduler directly)"}
 _SECONDS_LABELS = {"wall_s": "Wall", "submit_wall_s": "Submit wall", "decode_s": "Decode time",
                    "total_s": "Total time", "prefill_s": "Prefill time"}
 

@@ -278,6 +278,15 @@ def stream_summary_lines(summary: dict, measured_runs: int) -> list[str]:
     return lines
 
 
+def against_direct_line(summary: dict) -> Optional[str]:
+    """With `bench stream --against-direct`: the streaming manager's overhead on throughput."""
+    direct, managed = summary.get("throughput_direct"), summary.get("throughput_completion")
+    if _absent(direct) or _absent(managed) or not managed:
+        return None
+    return (f"Against the scheduler directly: {direct:.2f} tokens/s direct, {managed:.2f} through the streaming "
+            f"manager, overhead {(direct / managed - 1) * 100:.1f}%")
+
+
 def print_stream_summary(console: Console, measured: Sequence[RunMetrics], summary: dict,
                          plain: Optional[bool] = None) -> None:
     """Median over the measured runs of each figure (``summary`` from `metrics.median_run`)."""

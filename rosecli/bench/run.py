@@ -16,9 +16,26 @@ def _labels(warmups: int, repeats: int):
         yield f"run {i + 1}/{repeats}", False
 
 
-def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table) -> dict:
+def _direct_throughput(engine, manager: StreamingManager, workload, params: SamplingParams) -> float:
+    """The same workload driven through the scheduler directly, every request at once (as `bench
+    sched --mode offline`): completion tokens / (first submit to last finish). It runs on the
+    manager's worker thread, the thread that steps the engine in a streaming run, so nothing else
+    steps the scheduler meanwhile."""
+    def direct():
+        engine.scheduler.reset_prefix_cache()
+        run = run_sched(engine.scheduler, workload, params, "offline")
+        return run.completion_tokens / run.total_s if run.total_s > 0 else float("nan")
+
+    return manager.call_on_worker(direct)
+
+
+def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table,
+                 against_direct: bool = False) -> dict:
     """Returns {"runs": [...], "summary": {...}, "requests": [...], "measured": [RunMetrics],
-    "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}."""
+    "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}.
+    ``against_direct``: after each run, the same workload through the scheduler directly; its
+    throughput is each run's and the summary's ``throughput_direct`` (the manager's overhead is
+    throughput_direct / throughput_completion - 1)."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     manager = StreamingManager(engine, record_timestamps=True)
     runs, raw, measured, failures = [], [], [], []
@@ -29,14 +46,21 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
             run = run_stream(manager, workload, params, table.update)
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
             table.finish_run(m)
-            runs.append({"label": label, "warmup": warmup, "figures": metrics.flatten(m), "errors": run.errors})
+            figures = metrics.flatten(m)
+            if against_direct:
+                figures["throughput_direct"] = _direct_throughput(engine, manager, workload, params)
+            runs.append({"label": label, "warmup": warmup, "figures": figures, "errors": run.errors})
             if not warmup:
                 measured.append(m)
                 raw.append(results.request_records(run.timings, run.wall_start))
                 failures += run.failures
     finally:
         manager.close()
-    return {"runs": runs, "summary": metrics.median_run(measured), "requests": raw, "measured": measured,
+    summary = metrics.median_run(measured)
+    if against_direct:
+        summary["throughput_direct"] = metrics.percentile(
+            [r["figures"]["throughput_direct"] for r in runs if not r["warmup"]], 50)
+    return {"runs": runs, "summary": summary, "requests": raw, "measured": measured,
             "failures": failures, "submitted": spec.num_requests * repeats}
 
 

@@ -19,8 +19,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-import numpy as np
-
 from rosecli.engine.errors import ConfigError
 
 SCHEDULES = ("absolute", "relative")
@@ -75,7 +73,7 @@ class Workload:
     relative: bool  # True: offsets are waits after the previous submit returned
 
 
-def _lengths(mean: int, ratio: float, n: int, rng: np.random.Generator) -> list[int]:
+def _lengths(mean: int, ratio: float, n: int, rng) -> list[int]:
     lo, hi = max(1, math.floor(mean * (1 - ratio))), max(1, math.ceil(mean * (1 + ratio)))
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)] if hi > lo else [mean] * n
 
@@ -87,6 +85,8 @@ def build_workload(spec: WorkloadSpec, tokenizer, vocab_size: int, max_model_len
     if max_model_len is not None and spec.input_len is not None and spec.input_len >= max_model_len:
         raise ConfigError(f"--input-len {spec.input_len} does not fit the model's context of {max_model_len} "
                           f"tokens (one must be left to generate): pass at most {max_model_len - 1}")
+    import numpy as np  # here, not at import: the CLI reads WorkloadSpec's defaults as it parses
+
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
     if spec.input_len is not None:

@@ -8,10 +8,15 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from rosecli.bench.workload import WorkloadSpec
 from rosecli.commands import options as o
 from rosecli.commands.progress import startup_progress
-from rosecli.engine.config import DEFAULT_MODEL
+from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
+
+# bench sched drives the scheduler directly: no streaming manager options, every request at once
+SCHED_EXCLUDES = ("stream_interval", "tokenize_workers", "max_inflight_requests")
+SCHED_WORKLOAD_EXCLUDES = ("submit_interval_ms", "submit_schedule", "request_rate")
 
 FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - submit; TPOT = (finish - first "
                 "token) / (tokens - 1), one-token outputs left out; ITL = every gap between consecutive pieces a "
@@ -23,6 +28,10 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
 SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
                                                    "(schema rosecli.bench/1).")]
+AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After each run, drive the same workload "
+                                              "through the scheduler directly (as bench sched --mode offline, in "
+                                              "this process) and report the streaming manager's throughput "
+                                              "overhead against it. Needs every request at once.")]
 Mode = Annotated[str, typer.Option("--mode", help="offline: run all requests to completion; online: also "
                                    "timestamp each request's submit, first token and finish.")]
 
@@ -60,23 +69,10 @@ def _config_dict(config, spec, params, **extra) -> dict:
 
 
 @o.user_errors
+@o.with_options(o.engine_options(), o.workload_options(), o.sampling_options(exclude=("stop",)))
 def stream(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto",
-    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
-    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
-    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
-    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
-    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
-    overlap_schedule: o.OverlapSchedule = None,
-    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
-    max_inflight_requests: o.MaxInflight = None,
-    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
-    pretok: o.Pretok = False, num_requests: o.NumRequests = 16, input_len: o.InputLen = None,
-    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0, submit_interval_ms: o.SubmitIntervalMs = 0.0,
-    submit_schedule: o.SubmitSchedule = "absolute", request_rate: o.RequestRate = None,
-    warmup_runs: o.WarmupRuns = 0, repeat_runs: o.RepeatRuns = 1,
-    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
-    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, save_result: SaveResult = None,
+    config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, save_result: SaveResult = None,
+    against_direct: AgainstDirect = False, *, warmup_runs: int, repeat_runs: int,
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
@@ -85,25 +81,28 @@ def stream(
     o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
-    spec = o.from_params(o.workload_spec, locals())
-    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
-    config = o.from_params(o.engine_config, locals())
+    if against_direct and (spec.request_rate is not None or spec.submit_interval_ms > 0):
+        raise ConfigError("--against-direct compares runs that submit every request at once: leave out "
+                          "--request-rate and --submit-interval-ms")
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
         header = _header(engine, spec, config)
-        header.update({"Pretok": pretok, "Tokenize workers": tokenize_workers, "Stream interval": stream_interval})
+        header.update({"Pretok": spec.pretok, "Tokenize workers": config.tokenize_workers,
+                       "Stream interval": config.stream_interval})
         if spec.request_rate is not None:
-            header["Arrivals"] = f"Poisson {spec.request_rate} req/s (seed {seed})"
+            header["Arrivals"] = f"Poisson {spec.request_rate} req/s (seed {spec.seed})"
         else:
-            header["Submit interval/schedule"] = f"{submit_interval_ms:.3f} ms / {submit_schedule}"
+            header["Submit interval/schedule"] = f"{spec.submit_interval_ms:.3f} ms / {spec.submit_schedule}"
         console.print("=== streaming benchmark ===", highlight=False)
         for line in report.header_lines(header):
             console.print(line, highlight=False)
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "stream", "streaming benchmark") as table:
-            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table)
+            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, against_direct)
         report.print_stream_summary(console, out["measured"], out["summary"])
+        if against_direct and (line := report.against_direct_line(out["summary"])):
+            console.print(line, highlight=False)
         if save_result is not None:
             results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
                                 out["runs"], out["summary"], out["requests"])
@@ -114,21 +113,11 @@ def stream(
 
 
 @o.user_errors
+@o.with_options(o.engine_options(exclude=SCHED_EXCLUDES), o.workload_options(exclude=SCHED_WORKLOAD_EXCLUDES),
+                o.sampling_options(exclude=("stop",)))
 def sched(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto",
-    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
-    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
-    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
-    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
-    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
-    overlap_schedule: o.OverlapSchedule = None,
-    nvtx: o.Nvtx = False, mode: Mode = "online",
-    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
-    pretok: o.Pretok = False, num_requests: o.NumRequests = 16, input_len: o.InputLen = None,
-    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0,
-    warmup_runs: o.WarmupRuns = 0, repeat_runs: o.RepeatRuns = 1,
-    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
-    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, save_result: SaveResult = None,
+    config: EngineConfig, mode: Mode = "online", *, spec: WorkloadSpec, params: SamplingParams,
+    save_result: SaveResult = None, warmup_runs: int, repeat_runs: int,
 ) -> None:
     """Scheduler benchmark, driving the scheduler directly: decode and total time, throughput."""
     from rosecli.bench import report, results
@@ -139,10 +128,6 @@ def sched(
         results.check_result_path(save_result)
     if mode not in ("offline", "online"):
         raise ConfigError(f"--mode must be offline or online, got {mode!r}")
-    spec = o.from_params(o.workload_spec, locals(), submit_interval_ms=0.0, submit_schedule="absolute",
-                         request_rate=None)
-    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
-    config = o.from_params(o.engine_config, locals())
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:

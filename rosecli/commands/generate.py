@@ -11,22 +11,22 @@ from rich.console import Console
 
 from rosecli.commands import options as o
 from rosecli.commands.progress import startup_progress
-from rosecli.engine.config import DEFAULT_MODEL
+from rosecli.engine.config import EngineConfig, SamplingParams
+
+# Engine options generate does not offer: its batch is its prompts; the rest serve long-running
+# or benchmark engines.
+GENERATE_EXCLUDES = ("prefix_cache", "max_batch_size", "prefill_max_batch_size", "prefill_max_tokens",
+                     "max_active_requests", "nvtx", "stream_interval", "tokenize_workers", "max_inflight_requests")
 
 
 @o.user_errors
+@o.with_options(o.engine_options(exclude=GENERATE_EXCLUDES), o.sampling_options())
 def generate(
     prompts: Annotated[list[str], typer.Argument(help="One or more prompts; several run as one batch.")],
     chat: Annotated[Optional[bool], typer.Option("--chat/--no-chat", help="Apply the model's chat template. "
                                                  "Default: on for instruct models (those with a chat "
                                                  "template, such as smollm2-135m), off otherwise.")] = None,
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
-    dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
-    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None,
-    gpu_memory_utilization: o.GpuMemUtil = 0.9, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
-    overlap_schedule: o.OverlapSchedule = None,
-    max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0,
-    top_p: o.TopP = 1.0, do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, stop: o.Stop = None,
+    *, config: EngineConfig, params: SamplingParams,
 ) -> None:
     """Generate text; one prompt streams token by token to stdout, a one-line summary goes to stderr."""
     from rosecli.engine.detokenizer import IncrementalDetokenizer
@@ -35,9 +35,8 @@ def generate(
     t_start = time.perf_counter()
     for i, p in enumerate(prompts):
         o.check_text(f"prompt argument {i + 1}" if len(prompts) > 1 else "the prompt argument", p)
-    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
-    batch = max(1, len(prompts))
-    config = o.from_params(o.engine_config, locals(), max_batch_size=batch, prefill_max_batch_size=batch)
+    batch = max(1, len(prompts))  # the prompts run as one batch
+    config = config.replace(max_batch_size=batch, prefill_max_batch_size=batch)
     err = Console(stderr=True)
     with startup_progress(err) as progress:
         engine = LLMEngine(config, progress=progress)

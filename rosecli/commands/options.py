@@ -1,145 +1,295 @@
-"""Every CLI option, spelled once. Subcommands reuse these annotated types and build the one
-`EngineConfig` / `SamplingParams` through `engine_config()` / `sampling_params()`."""
+"""Every engine, sampling and workload option, defined once: flag, help, panel and bounds here,
+the default read from the config dataclasses (`EngineConfig`, `SamplingParams`, `WorkloadSpec`).
+
+A command adds option groups, not copies::
+
+    @with_options(engine_options(), sampling_options(exclude=("stop",)))
+    def cmd(config: EngineConfig, params: SamplingParams, save_result: SaveResult = None): ...
+
+The groups' options take the place of the command's ``config`` / ``params`` / ``spec`` parameter
+in the signature Typer reads (so `--help` lists them there, in their panels), and the command is
+called with the built, validated object. A command that also wants an option's raw value names
+it as a parameter (``warmup_runs``). Per-command defaults: ``with_options(..., defaults={...})``.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
 import pathlib
 import re
 import sys
-from typing import Annotated, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
+from rosecli.bench.workload import WorkloadSpec
 from rosecli.engine.config import MAX_INT32, MAX_SEED, EngineConfig, SamplingParams, default_threads
 from rosecli.engine.errors import ConfigError, RoseError
 
 ENGINE = "Engine"
 SAMPLING = "Sampling"
+WORKLOAD = "Workload"
 # Upper bounds checked as the command line is parsed, so a huge number is refused naming its flag
 # before it reaches a fixed-width integer (the engine's MAX_INT32 and MAX_SEED) or sizes a list.
 MAX_REQUESTS = 100_000
 MAX_RUNS = 1000
 
-Model = Annotated[str, typer.Option("--model", help="smollm2-135m (default), gpt2 (with --load-format dummy), "
-                                    "a local Hugging Face directory, a .gguf file, or a hub id.",
-                                    rich_help_panel=ENGINE)]
-LoadFormat = Annotated[str, typer.Option("--load-format", help="auto: real weights; dummy: random seeded weights "
-                                         "of the named shape, no files needed.", rich_help_panel=ENGINE)]
-Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda.", rich_help_panel=ENGINE)]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, float16 on CUDA) | float32 | "
-                                    "float16 | bfloat16.", rich_help_panel=ENGINE)]
-Seed = Annotated[int, typer.Option("--seed", help="Seed for dummy weights and sampling.", max=MAX_SEED,
-                                    rich_help_panel=ENGINE)]
-MaxModelLen = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length (default: the "
-                                                    "model's).", max=MAX_INT32, rich_help_panel=ENGINE)]
-BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block.", rich_help_panel=ENGINE)]
-NumGpuBlocks = Annotated[Optional[int], typer.Option("--num-gpu-blocks", help="KV blocks in the pool (default: "
-                                                     "sized from --gpu-memory-utilization on CUDA, 8192 tokens' "
-                                                     "worth on CPU).", max=MAX_INT32, rich_help_panel=ENGINE)]
-GpuMemUtil = Annotated[float, typer.Option("--gpu-memory-utilization", help="Share of GPU memory for weights, "
-                                           "activations and KV cache.", rich_help_panel=ENGINE)]
-PrefixCache = Annotated[bool, typer.Option("--prefix-cache/--no-prefix-cache", help="Share KV blocks of "
-                                           "identical prompt prefixes.", rich_help_panel=ENGINE)]
-MaxBatchSize = Annotated[int, typer.Option("--max-batch-size", help="Most sequences in one decode step.",
-                                           rich_help_panel=ENGINE)]
-PrefillMaxBatchSize = Annotated[int, typer.Option("--prefill-max-batch-size", help="Most sequences in one "
-                                                  "prefill step.", rich_help_panel=ENGINE)]
-PrefillMaxTokens = Annotated[int, typer.Option("--prefill-max-tokens", help="Most prompt tokens in one prefill "
-                                               "step; longer prompts are prefilled in chunks.",
-                                               max=MAX_INT32, rich_help_panel=ENGINE)]
-MaxActive = Annotated[Optional[int], typer.Option("--max-active-requests", help="Most admitted (prefilling or "
-                                                  "decoding) requests; default --max-batch-size.",
-                                                  max=MAX_INT32, rich_help_panel=ENGINE)]
-PagedAttn = Annotated[Optional[bool], typer.Option("--paged-attn/--no-paged-attn", help="Triton paged-attention "
-                                                   "kernels (default on CUDA) or gather + SDPA.",
-                                                   rich_help_panel=ENGINE)]
-CudaGraph = Annotated[Optional[bool], typer.Option("--cuda-graph/--no-cuda-graph", help="Replay captured CUDA "
-                                                   "graphs for decode (default on CUDA).", rich_help_panel=ENGINE)]
-OverlapSchedule = Annotated[Optional[bool], typer.Option("--overlap-schedule/--no-overlap-schedule", help="Prepare "
-                                                         "and launch decode step N+1 while the GPU runs step N "
-                                                         "(default on CUDA).", rich_help_panel=ENGINE)]
-Nvtx = Annotated[bool, typer.Option("--nvtx", help="NVTX ranges over engine stages (for Nsight Systems).",
-                                    rich_help_panel=ENGINE)]
-StreamInterval = Annotated[int, typer.Option("--stream-interval", help="Flush streamed text every N tokens "
-                                             "(and at finish).", max=MAX_INT32, rich_help_panel=ENGINE)]
-TokenizeWorkers = Annotated[int, typer.Option("--tokenize-workers", help="Threads that tokenize prompts off "
-                                              "the engine thread (0: tokenize on the caller's thread).",
-                                              rich_help_panel=ENGINE)]
-CpuWeights = Annotated[str, typer.Option("--cpu-weights", help="On CPU, what the linear layers read: auto "
-                                         "(gate/up as their own 4-bit codes where the weights are 4-bit, as in a "
-                                         "Q4 GGUF; the rest float16) | int4 | float16 | int8 | float (as loaded, "
-                                         "the reference). docs/cpu.md has each one's speed and agreement.",
-                                         rich_help_panel=ENGINE)]
-Threads = Annotated[Optional[int], typer.Option("--threads", help="CPU threads for the model's math. Default: "
-                                                "the CPUs this process may use less those other programs keep "
-                                                f"busy at start ({default_threads()} now).",
-                                                rich_help_panel=ENGINE)]
-CacheDir = Annotated[Optional[str], typer.Option("--cache-dir", envvar="ROSE_CACHE_DIR", help="Where converted "
-                                                 "models are cached (default ~/.cache/rosecli).",
-                                                 rich_help_panel=ENGINE)]
-MaxInflight = Annotated[Optional[int], typer.Option("--max-inflight-requests", help="Most requests submitted "
-                                                    "and not finished; beyond it admission waits or is "
-                                                    "refused.", max=MAX_INT32, rich_help_panel=ENGINE)]
-
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Most tokens to generate per request.",
-                                           max=MAX_INT32, rich_help_panel=SAMPLING)]
-Temperature = Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature; 0 is greedy. "
-                                                      "Default: 0, or 1.0 with --do-sample.",
-                                                      rich_help_panel=SAMPLING)]
-TopK = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: all).",
-                                   max=MAX_INT32, rich_help_panel=SAMPLING)]
-TopP = Annotated[float, typer.Option("--top-p", help="Keep the smallest set of tokens whose mass reaches p.",
-                                     rich_help_panel=SAMPLING)]
-DoSample = Annotated[bool, typer.Option("--do-sample", help="Sample instead of greedy decoding.",
-                                        rich_help_panel=SAMPLING)]
-StopOnEos = Annotated[bool, typer.Option("--stop-on-eos/--no-stop-on-eos", help="Stop at the model's EOS token.",
-                                         rich_help_panel=SAMPLING)]
-Stop = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in "
-                                                   "the output.", rich_help_panel=SAMPLING)]
+_FROM_CONFIG = object()  # an option's default is its dataclass field's
 
 
-def engine_config(*, model: str, load_format: str, device: str, dtype: str, seed: int,
-                  max_model_len: Optional[int] = None, block_size: int = 16,
-                  num_gpu_blocks: Optional[int] = None, gpu_memory_utilization: float = 0.9,
-                  prefix_cache: bool = True, max_batch_size: int = 64, prefill_max_batch_size: int = 64,
-                  prefill_max_tokens: int = 2048, max_active_requests: Optional[int] = None,
-                  paged_attn: Optional[bool] = None, cuda_graph: Optional[bool] = None,
-                  overlap_schedule: Optional[bool] = None, nvtx: bool = False,
-                  stream_interval: int = 1, tokenize_workers: int = 0,
-                  max_inflight_requests: Optional[int] = None, cache_dir: Optional[str] = None,
-                  cpu_weights: str = "auto", threads: Optional[int] = None,
-                  show_progress: bool = True) -> EngineConfig:
+@dataclass(frozen=True)
+class Opt:
+    """One command-line option. ``field``: the dataclass field it sets when that is not its own
+    name; ``default``: given only for options that set no field (or whose flag means something
+    else when left out, as --temperature)."""
+
+    flags: str
+    type: Any
+    help: str
+    panel: str
+    max: Optional[float] = None
+    envvar: Optional[str] = None
+    field: Optional[str] = None
+    default: Any = _FROM_CONFIG
+
+    def annotation(self):
+        extra = {k: v for k, v in (("max", self.max), ("envvar", self.envvar)) if v is not None}
+        return Annotated[self.type, typer.Option(*self.flags.split(), help=self.help, rich_help_panel=self.panel,
+                                                 **extra)]
+
+
+def _field_defaults(cls) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+ENGINE_OPTIONS: dict[str, Opt] = {
+    "model": Opt("--model", str, "smollm2-135m (default), gpt2 (with --load-format dummy), a local Hugging Face "
+                 "directory, a .gguf file, or a hub id.", ENGINE),
+    "cache_dir": Opt("--cache-dir", Optional[str], "Where converted models are cached (default ~/.cache/rosecli).",
+                     ENGINE, envvar="ROSE_CACHE_DIR"),
+    "cpu_weights": Opt("--cpu-weights", str, "On CPU, what the linear layers read: auto (gate/up as their own 4-bit "
+                       "codes where the weights are 4-bit, as in a Q4 GGUF; the rest float16) | int4 | float16 | "
+                       "int8 | float (as loaded, the reference). docs/cpu.md has each one's speed and agreement.",
+                       ENGINE),
+    "threads": Opt("--threads", Optional[int], "CPU threads for the model's math. Default: the CPUs this process may "
+                   "use less those other programs keep busy at start "
+                   f"({default_threads()} now).", ENGINE),
+    "load_format": Opt("--load-format", str, "auto: real weights; dummy: random seeded weights of the named shape, "
+                       "no files needed.", ENGINE),
+    "device": Opt("--device", str, "auto | cpu | cuda.", ENGINE),
+    "dtype": Opt("--dtype", str, "auto (float32 on CPU, float16 on CUDA) | float32 | float16 | bfloat16.", ENGINE),
+    "seed": Opt("--seed", int, "Seed for dummy weights and sampling.", ENGINE, max=MAX_SEED),
+    "max_model_len": Opt("--max-model-len", Optional[int], "Context length (default: the model's).", ENGINE,
+                         max=MAX_INT32),
+    "block_size": Opt("--block-size", int, "Tokens per KV block.", ENGINE),
+    "num_gpu_blocks": Opt("--num-gpu-blocks", Optional[int], "KV blocks in the pool (default: sized from "
+                          "--gpu-memory-utilization on CUDA, 8192 tokens' worth on CPU).", ENGINE, max=MAX_INT32),
+    "gpu_memory_utilization": Opt("--gpu-memory-utilization", float, "Share of GPU memory for weights, activations "
+                                  "and KV cache.", ENGINE),
+    "prefix_cache": Opt("--prefix-cache/--no-prefix-cache", bool, "Share KV blocks of identical prompt prefixes.",
+                        ENGINE, field="enable_prefix_cache"),
+    "max_batch_size": Opt("--max-batch-size", int, "Most sequences in one decode step.", ENGINE),
+    "prefill_max_batch_size": Opt("--prefill-max-batch-size", int, "Most sequences in one prefill step.", ENGINE),
+    "prefill_max_tokens": Opt("--prefill-max-tokens", int, "Most prompt tokens in one prefill step; longer prompts "
+                              "are prefilled in chunks.", ENGINE, max=MAX_INT32),
+    "max_active_requests": Opt("--max-active-requests", Optional[int], "Most admitted (prefilling or decoding) "
+                               "requests; default --max-batch-size.", ENGINE, max=MAX_INT32),
+    "paged_attn": Opt("--paged-attn/--no-paged-attn", Optional[bool], "Triton paged-attention kernels (default on "
+                      "CUDA; CUDA only) or gather + SDPA.", ENGINE),
+    "cuda_graph": Opt("--cuda-graph/--no-cuda-graph", Optional[bool], "Replay captured CUDA graphs for decode "
+                      "(default on CUDA; CUDA only).", ENGINE),
+    "overlap_schedule": Opt("--overlap-schedule/--no-overlap-schedule", Optional[bool], "Prepare and launch decode "
+                            "step N+1 while the GPU runs step N (default on CUDA).", ENGINE),
+    "nvtx": Opt("--nvtx", bool, "NVTX ranges over engine stages (for Nsight Systems).", ENGINE),
+    "stream_interval": Opt("--stream-interval", int, "Flush streamed text every N tokens (and at finish).", ENGINE,
+                           max=MAX_INT32),
+    "tokenize_workers": Opt("--tokenize-workers", int, "Threads that tokenize prompts off the engine thread (0: "
+                            "tokenize on the caller's thread).", ENGINE),
+    "max_inflight_requests": Opt("--max-inflight-requests", Optional[int], "Most requests submitted and not "
+                                 "finished; beyond it admission waits or is refused.", ENGINE, max=MAX_INT32),
+}
+
+SAMPLING_OPTIONS: dict[str, Opt] = {
+    "max_new_tokens": Opt("--max-new-tokens", int, "Most tokens to generate per request.", SAMPLING, max=MAX_INT32),
+    "temperature": Opt("--temperature", Optional[float], "Sampling temperature; 0 is greedy. Default: 0, or 1.0 "
+                       "with --do-sample.", SAMPLING, default=None),
+    "top_k": Opt("--top-k", int, "Keep the k most likely tokens (0: all).", SAMPLING, max=MAX_INT32),
+    "top_p": Opt("--top-p", float, "Keep the smallest set of tokens whose mass reaches p.", SAMPLING),
+    "do_sample": Opt("--do-sample", bool, "Sample instead of greedy decoding.", SAMPLING, default=False),
+    "stop_on_eos": Opt("--stop-on-eos/--no-stop-on-eos", bool, "Stop at the model's EOS token.", SAMPLING),
+    "stop": Opt("--stop", Optional[list[str]], "Stop string (repeatable); not included in the output.", SAMPLING,
+                default=None),
+}
+
+WORKLOAD_OPTIONS: dict[str, Opt] = {
+    "prompt": Opt("--prompt", str, "Prompt text of every request.", WORKLOAD),
+    "prompt_repeats": Opt("--prompt-repeats", int, "Repeat the prompt N times (longer prompts).", WORKLOAD,
+                          max=MAX_REQUESTS),
+    "unique_prompts": Opt("--unique-prompts", bool, "Prefix each prompt with its index so no two share a prefix.",
+                          WORKLOAD),
+    "pretok": Opt("--pretok", bool, "Tokenize prompts before the run; the engine gets ids.", WORKLOAD),
+    "num_requests": Opt("--num-requests", int, "Requests per run.", WORKLOAD, max=MAX_REQUESTS),
+    "input_len": Opt("--input-len", Optional[int], "Random-token prompts of this many tokens (replaces --prompt).",
+                     WORKLOAD, max=MAX_INT32),
+    "output_len": Opt("--output-len", Optional[int], "New tokens per request (replaces --max-new-tokens; varies "
+                      "with --range-ratio).", WORKLOAD, max=MAX_INT32),
+    "range_ratio": Opt("--range-ratio", float, "--input-len/--output-len vary uniformly within +- this fraction.",
+                       WORKLOAD),
+    "submit_interval_ms": Opt("--submit-interval-ms", float, "Gap between submits (0: all at once).", WORKLOAD),
+    "submit_schedule": Opt("--submit-schedule", str, "absolute: request i is due at i*interval; relative: wait the "
+                           "interval after each submit returns.", WORKLOAD),
+    "request_rate": Opt("--request-rate", Optional[float], "Poisson arrivals at this many requests/s (seeded by "
+                        "--seed).", WORKLOAD),
+    "warmup_runs": Opt("--warmup-runs", int, "Runs before measuring (not counted).", WORKLOAD, max=MAX_RUNS,
+                       default=0),
+    "repeat_runs": Opt("--repeat-runs", int, "Measured runs; the summary is their median.", WORKLOAD, max=MAX_RUNS,
+                       default=1),
+}
+
+_DATACLASS_OF = {id(ENGINE_OPTIONS): EngineConfig, id(SAMPLING_OPTIONS): SamplingParams,
+                 id(WORKLOAD_OPTIONS): WorkloadSpec}
+
+
+def option_default(table: dict[str, Opt], name: str) -> Any:
+    """An option's default when a command does not override it: its dataclass field's, unless the
+    option sets no field (or means something else when left out)."""
+    opt = table[name]
+    if opt.default is not _FROM_CONFIG:
+        return opt.default
+    return _field_defaults(_DATACLASS_OF[id(table)])[opt.field or name]
+
+
+# ---- building the configs from the options' values ----------------------------------------------
+
+
+def _fields(table: dict[str, Opt], cls, values: dict) -> dict:
+    """The keyword arguments of ``cls`` among ``values``: each option by its field's name. Fields of
+    ``cls`` that another group defines (a workload's seed and max_new_tokens) are taken too."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {}
+    for name, value in values.items():
+        opt = table.get(name)
+        field = (opt.field if opt is not None else None) or name
+        if field in names:
+            out[field] = value
+    return out
+
+
+def build_engine_config(values: dict) -> EngineConfig:
+    """``values``: option name -> value; options left out keep the dataclass defaults."""
     with flag_names():
-        config = EngineConfig(
-            model=model, load_format=load_format, device=device, dtype=dtype, seed=seed,
-            max_model_len=max_model_len, block_size=block_size, num_gpu_blocks=num_gpu_blocks,
-            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_cache=prefix_cache,
-            max_batch_size=max_batch_size, prefill_max_batch_size=prefill_max_batch_size,
-            prefill_max_tokens=prefill_max_tokens, max_active_requests=max_active_requests,
-            paged_attn=paged_attn, cuda_graph=cuda_graph, overlap_schedule=overlap_schedule, nvtx=nvtx,
-            stream_interval=stream_interval,
-            tokenize_workers=tokenize_workers, max_inflight_requests=max_inflight_requests, cache_dir=cache_dir,
-            cpu_weights=cpu_weights, threads=threads, show_progress=show_progress)
+        config = EngineConfig(**_fields(ENGINE_OPTIONS, EngineConfig, values))
     _check_nvtx(config)
     _check_cache_dir(config)
     return config
 
 
-def sampling_params(*, max_new_tokens: int, temperature: Optional[float], top_k: int, top_p: float,
-                    do_sample: bool, stop_on_eos: bool, stop: Optional[list[str]] = None,
-                    seed: Optional[int] = None) -> SamplingParams:
-    """Greedy unless --do-sample or a positive --temperature is given (as vLLM: temperature > 0 samples)."""
-    if temperature is None:
-        temperature = 1.0 if do_sample else 0.0
-    for s in stop or []:
+def build_sampling_params(values: dict) -> SamplingParams:
+    """Greedy unless --do-sample or a positive --temperature is given (as vLLM: temperature > 0
+    samples). --seed seeds the engine, not each request: the parameters carry no seed."""
+    kwargs = _fields(SAMPLING_OPTIONS, SamplingParams, values)
+    kwargs.pop("seed", None)
+    if kwargs.get("temperature") is None:
+        kwargs["temperature"] = 1.0 if values.get("do_sample") else 0.0
+    stop = kwargs.pop("stop", None) or []
+    for s in stop:
         check_text("--stop", s)
     with flag_names():
-        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              stop_on_eos=stop_on_eos, stop=list(stop or []), seed=seed)
+        return SamplingParams(**kwargs, stop=list(stop))
+
+
+def build_workload_spec(values: dict) -> WorkloadSpec:
+    check_text("--prompt", values.get("prompt", ""))
+    kwargs = _fields(WORKLOAD_OPTIONS, WorkloadSpec, values)
+    if kwargs.get("request_rate") is not None:
+        kwargs["request_rate"] = float(kwargs["request_rate"])
+    return WorkloadSpec(**kwargs)
+
+
+@dataclass(frozen=True)
+class Group:
+    param: str  # the command's parameter that receives the built object
+    table: dict[str, Opt]
+    names: tuple[str, ...]
+    build: Callable[[dict], Any]
+
+
+def _group(param, table, build, exclude) -> Group:
+    unknown = set(exclude) - set(table)
+    if unknown:
+        raise ValueError(f"no such option to exclude: {sorted(unknown)}")
+    return Group(param, table, tuple(n for n in table if n not in exclude), build)
+
+
+def engine_options(exclude=()) -> Group:
+    """The engine options, built into an `EngineConfig` passed as ``config``."""
+    return _group("config", ENGINE_OPTIONS, build_engine_config, exclude)
+
+
+def sampling_options(exclude=()) -> Group:
+    """The sampling options, built into a `SamplingParams` passed as ``params``."""
+    return _group("params", SAMPLING_OPTIONS, build_sampling_params, exclude)
+
+
+def workload_options(exclude=()) -> Group:
+    """The workload options, built into a `WorkloadSpec` passed as ``spec`` (its seed and
+    max_new_tokens come from --seed and --max-new-tokens)."""
+    return _group("spec", WORKLOAD_OPTIONS, build_workload_spec, exclude)
+
+
+_BUILD_ORDER = ("spec", "params", "config")  # cheap checks first; the config checks the cache directory
+
+
+def with_options(*groups: Group, defaults: Optional[dict[str, Any]] = None):
+    """Add option groups to a command (see the module's docstring). ``defaults``: this command's
+    own default for some options, where it differs from the dataclass's."""
+    defaults = dict(defaults or {})
+
+    def decorate(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        takes = set(sig.parameters)
+        by_param = {g.param: g for g in groups}
+        missing = set(by_param) - takes
+        if missing:
+            raise TypeError(f"{fn.__name__} adds option groups it does not take: {sorted(missing)}")
+        option_names = [n for g in groups for n in g.names]
+        unknown = set(defaults) - set(option_names)
+        if unknown:
+            raise TypeError(f"{fn.__name__}: defaults for options it does not have: {sorted(unknown)}")
+        params = []
+        for p in sig.parameters.values():
+            if p.name in by_param:
+                g = by_param[p.name]
+                for name in g.names:
+                    default = defaults[name] if name in defaults else option_default(g.table, name)
+                    params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                                    annotation=g.table[name].annotation()))
+            elif p.name not in option_names:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+        exposed = inspect.Signature(params)
+        passed_through = [n for n in option_names if n in takes]
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            values = {n: kwargs.pop(n) for n in option_names if n in kwargs}
+            for param in sorted(by_param, key=_BUILD_ORDER.index):
+                kwargs[param] = by_param[param].build(values)
+            kwargs.update({n: values[n] for n in passed_through if n in values})
+            return fn(**kwargs)
+
+        wrapper.__signature__ = exposed
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
+
+
+# ---- flag names in errors, text checks, exits ----------------------------------------------------
 
 
 # Engine parameters whose name is not the flag a user typed; every other name maps by turning
@@ -230,63 +380,8 @@ def user_errors(fn):
     return wrapper
 
 
-WORKLOAD = "Workload"
-Prompt = Annotated[str, typer.Option("--prompt", help="Prompt text of every request.", rich_help_panel=WORKLOAD)]
-PromptRepeats = Annotated[int, typer.Option("--prompt-repeats", help="Repeat the prompt N times (longer prompts).",
-                                            max=MAX_REQUESTS, rich_help_panel=WORKLOAD)]
-UniquePrompts = Annotated[bool, typer.Option("--unique-prompts", help="Prefix each prompt with its index so no two "
-                                             "share a prefix.", rich_help_panel=WORKLOAD)]
-Pretok = Annotated[bool, typer.Option("--pretok", help="Tokenize prompts before the run; the engine gets ids.",
-                                      rich_help_panel=WORKLOAD)]
-NumRequests = Annotated[int, typer.Option("--num-requests", help="Requests per run.", max=MAX_REQUESTS,
-                                          rich_help_panel=WORKLOAD)]
-InputLen = Annotated[Optional[int], typer.Option("--input-len", help="Random-token prompts of this many tokens "
-                                                 "(replaces --prompt).", max=MAX_INT32, rich_help_panel=WORKLOAD)]
-OutputLen = Annotated[Optional[int], typer.Option("--output-len", help="New tokens per request (replaces "
-                                                  "--max-new-tokens; varies with --range-ratio).",
-                                                  max=MAX_INT32, rich_help_panel=WORKLOAD)]
-RangeRatio = Annotated[float, typer.Option("--range-ratio", help="--input-len/--output-len vary uniformly within "
-                                           "+- this fraction.", rich_help_panel=WORKLOAD)]
-SubmitIntervalMs = Annotated[float, typer.Option("--submit-interval-ms", help="Gap between submits (0: all at "
-                                                 "once).", rich_help_panel=WORKLOAD)]
-SubmitSchedule = Annotated[str, typer.Option("--submit-schedule", help="absolute: request i is due at i*interval; "
-                                             "relative: wait the interval after each submit returns.",
-                                             rich_help_panel=WORKLOAD)]
-RequestRate = Annotated[Optional[float], typer.Option("--request-rate", help="Poisson arrivals at this many "
-                                                      "requests/s (seeded by --seed).", rich_help_panel=WORKLOAD)]
-WarmupRuns = Annotated[int, typer.Option("--warmup-runs", help="Runs before measuring (not counted).",
-                                         max=MAX_RUNS, rich_help_panel=WORKLOAD)]
-RepeatRuns = Annotated[int, typer.Option("--repeat-runs", help="Measured runs; the summary is their median.",
-                                         max=MAX_RUNS, rich_help_panel=WORKLOAD)]
-
-
-def workload_spec(*, prompt: str, prompt_repeats: int, unique_prompts: bool, pretok: bool, num_requests: int,
-                  max_new_tokens: int, input_len: Optional[int], output_len: Optional[int], range_ratio: float,
-                  submit_interval_ms: float, submit_schedule: str, request_rate: Optional[float], seed: int):
-    from rosecli.bench.workload import WorkloadSpec
-
-    check_text("--prompt", prompt)
-    return WorkloadSpec(prompt=prompt, prompt_repeats=prompt_repeats, unique_prompts=unique_prompts,
-                        num_requests=num_requests, max_new_tokens=max_new_tokens, input_len=input_len,
-                        output_len=output_len, range_ratio=range_ratio, submit_interval_ms=submit_interval_ms,
-                        submit_schedule=submit_schedule,
-                        request_rate=None if request_rate is None else float(request_rate), seed=seed,
-                        pretok=pretok)
-
-
 def check_runs(warmup_runs: int, repeat_runs: int) -> None:
-    from rosecli.engine.errors import ConfigError
-
     if warmup_runs < 0:
         raise ConfigError(f"--warmup-runs must be >= 0, got {warmup_runs}")
     if repeat_runs < 1:
         raise ConfigError(f"--repeat-runs must be >= 1, got {repeat_runs}")
-
-
-def from_params(builder, values: dict, **overrides):
-    """Call ``builder`` (engine_config, sampling_params or workload_spec) with every argument it
-    takes, read by name from a command's parameters (``locals()``), so each option is passed
-    through in one place."""
-    kwargs = {name: values[name] for name in inspect.signature(builder).parameters if name in values}
-    kwargs.update(overrides)
-    return builder(**kwargs)

@@ -8,33 +8,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rosecli.bench.workload import WorkloadSpec
 from rosecli.commands import options as o
 from rosecli.commands.bench import report_failures
 from rosecli.commands.progress import startup_progress
-from rosecli.engine.config import DEFAULT_MODEL
+from rosecli.engine.config import EngineConfig, SamplingParams
+
+# A short workload: a profile needs a few steps of each kind, not a benchmark's run
+PROFILE_DEFAULTS = {"num_requests": 8, "max_new_tokens": 32, "warmup_runs": 1}
 
 
 @o.user_errors
+@o.with_options(o.engine_options(), o.workload_options(exclude=("repeat_runs",)),
+                o.sampling_options(exclude=("stop",)), defaults=PROFILE_DEFAULTS)
 def profile(
     torch_trace: Annotated[Optional[str], typer.Option("--torch-trace", help="Also record the measured window "
                                                        "with the torch profiler into this directory (Chrome/"
                                                        "Perfetto JSON).")] = None,
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto", device: o.Device = "auto",
-    dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None, block_size: o.BlockSize = 16,
-    num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
-    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
-    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
-    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
-    overlap_schedule: o.OverlapSchedule = None,
-    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
-    max_inflight_requests: o.MaxInflight = None,
-    prompt: o.Prompt = "Hello", prompt_repeats: o.PromptRepeats = 1, unique_prompts: o.UniquePrompts = False,
-    pretok: o.Pretok = False, num_requests: o.NumRequests = 8, input_len: o.InputLen = None,
-    output_len: o.OutputLen = None, range_ratio: o.RangeRatio = 0.0, submit_interval_ms: o.SubmitIntervalMs = 0.0,
-    submit_schedule: o.SubmitSchedule = "absolute", request_rate: o.RequestRate = None,
-    warmup_runs: o.WarmupRuns = 1,
-    max_new_tokens: o.MaxNewTokens = 32, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
-    do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True,
+    *, config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, warmup_runs: int,
 ) -> None:
     """Run a short workload after start-up and warm-up; print host time per engine stage.
 
@@ -50,9 +41,6 @@ def profile(
         if not torch_trace.strip():
             o.fail("--torch-trace needs a directory name, got an empty one: pass e.g. --torch-trace traces")
         o.check_writable_dir(f"--torch-trace {torch_trace}", torch_trace)
-    spec = o.from_params(o.workload_spec, locals())
-    params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
-    config = o.from_params(o.engine_config, locals())
     console = Console()
     err = Console(stderr=True)
     with startup_progress(err) as progress:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rosecli.commands import options as o
 from rosecli.commands.progress import startup_progress
-from rosecli.engine.config import DEFAULT_MODEL
+from rosecli.engine.config import EngineConfig
 
 SERVER = "Server"
 
@@ -20,16 +20,9 @@ def _exit_cleanly(signum, frame) -> None:
 
 
 @o.user_errors
+@o.with_options(o.engine_options())
 def serve_local(
-    model: o.Model = DEFAULT_MODEL, cache_dir: o.CacheDir = None, cpu_weights: o.CpuWeights = "auto", threads: o.Threads = None, load_format: o.LoadFormat = "auto",
-    device: o.Device = "auto", dtype: o.Dtype = "auto", seed: o.Seed = 0, max_model_len: o.MaxModelLen = None,
-    block_size: o.BlockSize = 16, num_gpu_blocks: o.NumGpuBlocks = None, gpu_memory_utilization: o.GpuMemUtil = 0.9,
-    prefix_cache: o.PrefixCache = True, max_batch_size: o.MaxBatchSize = 64,
-    prefill_max_batch_size: o.PrefillMaxBatchSize = 64, prefill_max_tokens: o.PrefillMaxTokens = 2048,
-    max_active_requests: o.MaxActive = None, paged_attn: o.PagedAttn = None, cuda_graph: o.CudaGraph = None,
-    overlap_schedule: o.OverlapSchedule = None,
-    nvtx: o.Nvtx = False, stream_interval: o.StreamInterval = 1, tokenize_workers: o.TokenizeWorkers = 0,
-    max_inflight_requests: o.MaxInflight = None,
+    config: EngineConfig,
     host: Annotated[str, typer.Option("--host", help="Address to bind.", rich_help_panel=SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to bind.", rich_help_panel=SERVER)] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="ROSE_API_KEY", show_envvar=True,
@@ -73,7 +66,6 @@ def serve_local(
     for flag, value in (("--read-timeout", read_timeout), ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < value < float("inf"):
             o.fail(f"{flag} must be a positive number of seconds, got {value}")
-    config = o.from_params(o.engine_config, locals())
     try:
         sock = bind_socket(host, port)  # before the model loads: a taken port fails in a moment
     except PortInUseError as e:
@@ -99,7 +91,7 @@ def serve_local(
             if exit_on_engine_error and server is not None:
                 server.should_exit = True
 
-        name = served_model_name or model
+        name = served_model_name or config.model
         app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
                          profile_dir=profile_dir, on_engine_dead=on_engine_dead,
                          max_request_bytes=max_request_bytes, read_timeout=read_timeout)

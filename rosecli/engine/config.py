@@ -85,7 +85,7 @@ class EngineConfig:
     prefill_max_batch_size: int = 64
     prefill_max_tokens: int = 2048
     max_active_requests: Optional[int] = None
-    # Execution paths (None = on when the device is CUDA)
+    # Execution paths (None = on when the device is CUDA; `resolved()` decides them once)
     paged_attn: Optional[bool] = None
     cuda_graph: Optional[bool] = None
     overlap_schedule: Optional[bool] = None  # launch decode step N+1 before reading step N's tokens
@@ -132,6 +132,37 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    def resolved(self, device: str) -> "EngineConfig":
+        """This config for ``device`` ("cpu" or "cuda", as resolved from --device): the "auto"
+        execution paths (None) become plain booleans, on for CUDA. The runner and the scheduler
+        read only a resolved config. A path that cannot run on ``device`` is refused, naming its
+        flag, never silently dropped."""
+        cuda = device == "cuda"
+        if not cuda:
+            for flag, value, what in (("--paged-attn", self.paged_attn, "its Triton kernels run on CUDA; the CPU "
+                                       "uses gather + SDPA"),
+                                      ("--cuda-graph", self.cuda_graph, "CUDA graphs replay on a CUDA GPU")):
+                _check(not value, f"{flag} needs a CUDA GPU ({what}; the engine runs on {device}): leave out {flag} "
+                                  "or run with --device cuda on a machine with a CUDA GPU")
+
+        def on(value: Optional[bool]) -> bool:
+            return cuda if value is None else bool(value)
+
+        return dataclasses.replace(self, device=device, paged_attn=on(self.paged_attn),
+                                   cuda_graph=on(self.cuda_graph), overlap_schedule=on(self.overlap_schedule))
+
+    def ignored_on(self, device: str) -> list[str]:
+        """One line for each option given that has no effect on ``device`` (the caller shows them)."""
+        notes = []
+        if device != "cpu":
+            if self.cpu_weights != "auto":
+                notes.append(f"--cpu-weights {self.cpu_weights} applies on CPU only; on {device} the linear layers "
+                             "read the weights as loaded")
+            if self.threads is not None:
+                notes.append(f"--threads {self.threads} applies on CPU only; on {device} the model's math runs on "
+                             "the GPU")
+        return notes
 
 
 # What one request may ask for: the engine's tensors hold top_k, token ids and lengths as int32, a

@@ -5,6 +5,7 @@ Every command drives this one object (directly or through the streaming manager)
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Optional, Union
 
@@ -44,8 +45,12 @@ class LLMEngine:
                  log: Callable[[str], None] = lambda msg: None, stages: Optional[Stages] = None):
         from rosecli.engine.loader import load_model
 
-        self.config = config
         self.device = resolve_device(config.device)
+        # the "auto" paths decided once for this device; a flag that cannot apply is refused here,
+        # before the model loads, and one without effect is named on stderr
+        self.config = config = config.resolved(self.device.type)
+        for note in config.ignored_on(self.device.type):
+            print(f"note: {note}", file=sys.stderr)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.stages = stages or Stages(nvtx=config.nvtx)
         torch.manual_seed(config.seed)

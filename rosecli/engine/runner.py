@@ -114,8 +114,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.max_batch_size = config.max_batch_size
-        self.use_triton = bool(config.paged_attn if config.paged_attn is not None else self.is_cuda) and self.is_cuda
-        self.use_graphs = bool(config.cuda_graph if config.cuda_graph is not None else self.is_cuda) and self.is_cuda
+        assert config.device == device.type and None not in (config.paged_attn, config.cuda_graph), \
+            "the runner reads a config resolved for its device: EngineConfig.resolved(device)"
+        self.use_triton = config.paged_attn
+        self.use_graphs = config.cuda_graph
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}

@@ -66,8 +66,7 @@ class Scheduler:
         self._last_was_prefill = False
         self.last_step_kind = "idle"  # "prefill" | "decode" | "idle": what the last step() ran
         self._rr = 0
-        overlap = config.overlap_schedule
-        self.overlap = runner.is_cuda if overlap is None else bool(overlap)
+        self.overlap = config.overlap_schedule  # resolved for the device (EngineConfig.resolved)
         self._inflight: Optional[DecodeLaunch] = None  # decode step launched, tokens not read yet
         self.num_preemptions = 0
         self.finish_counts: dict[str, int] = {}

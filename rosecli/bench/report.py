@@ -546,3 +546,11 @@ def print_serve_summary(console: Console, measured: Sequence[ServeRunMetrics], s
     """The same block in a terminal and in a pipe: it is what users grep and paste beside vLLM's."""
     for line in serve_summary_lines(measured, summary, info):
         _emit(console, line)
+
+
+def print_goodput(console: Console, summary: dict, slo: dict) -> None:
+    """`bench stream --goodput`: one line, median over the measured runs."""
+    slos = ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items())
+    share = summary.get("goodput_share")
+    _emit(console, f"Request goodput ({slos}): {summary.get('throughput_goodput', float('nan')):.2f} req/s, "
+                   f"{'-' if _absent(share) else f'{100 * share:.1f}%'} of requests met every SLO")

@@ -16,7 +16,8 @@ def _labels(warmups: int, repeats: int):
         yield f"run {i + 1}/{repeats}", False
 
 
-def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table) -> dict:
+def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table,
+                 goodput: dict | None = None) -> dict:
     """Returns {"runs": [...], "summary": {...}, "requests": [...], "measured": [RunMetrics],
     "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
@@ -28,6 +29,9 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
             table.start_run(label, warmup)
             run = run_stream(manager, workload, params, table.update)
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
+            if goodput:  # --goodput: the requests meeting every SLO, as vLLM (metrics.meets_slo)
+                m.goodput_requests, m.goodput_share = metrics.stream_goodput(run.timings, goodput, m.wall_s,
+                                                                             len(run.failures))
             table.finish_run(m)
             runs.append({"label": label, "warmup": warmup, "figures": metrics.flatten(m), "errors": run.errors})
             if not warmup:

@@ -77,6 +77,7 @@ def stream(
     warmup_runs: o.WarmupRuns = 0, repeat_runs: o.RepeatRuns = 1,
     max_new_tokens: o.MaxNewTokens = 128, temperature: o.Temperature = None, top_k: o.TopK = 0, top_p: o.TopP = 1.0,
     do_sample: o.DoSample = False, stop_on_eos: o.StopOnEos = True, save_result: SaveResult = None,
+    goodput: Goodput = None,
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
@@ -85,6 +86,9 @@ def stream(
     o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
+    from rosecli.bench.metrics import parse_goodput
+
+    slo = parse_goodput(goodput)
     spec = o.from_params(o.workload_spec, locals())
     params = o.from_params(o.sampling_params, locals(), seed=None)  # --seed seeds the engine, not each request
     config = o.from_params(o.engine_config, locals())
@@ -102,8 +106,10 @@ def stream(
             console.print(line, highlight=False)
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "stream", "streaming benchmark") as table:
-            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table)
+            out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, goodput=slo or None)
         report.print_stream_summary(console, out["measured"], out["summary"])
+        if slo:
+            report.print_goodput(console, out["summary"], slo)
         if save_result is not None:
             results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
                                 out["runs"], out["summary"], out["requests"])
@@ -173,7 +179,7 @@ def compare(files: Annotated[list[str], typer.Argument(help="Result files from -
         raise ConfigError("give at least two result files: the baseline first")
     docs = [results.load_result(f) for f in files]
     kinds = {d["kind"] for d in docs}
-    if len(kinds) > 1:
+    if not cmp.comparable(kinds):
         raise ConfigError(f"cannot compare results of different benchmarks ({', '.join(sorted(kinds))})")
     report.print_compare(Console(), files, cmp.compare_results(docs), cmp.config_differences(docs))
 

@@ -8,7 +8,14 @@ from typing import Optional
 from rosecli.bench import metrics
 from rosecli.bench.datasets import ServeRequest
 from rosecli.bench.http_client import Target, make_client, run_serve
-from rosecli.bench.run import _labels
+
+
+def _labels(warmups: int, repeats: int):
+    """As bench stream's run labels (no import of its engine-side runner: this is client only)."""
+    for i in range(warmups):
+        yield f"warmup {i + 1}/{warmups}", True
+    for i in range(repeats):
+        yield f"run {i + 1}/{repeats}", False
 
 
 def serve_request_records(timings, t0: float) -> list[dict]:

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from rosecli.bench.metrics import FIGURE_LABELS
+from rosecli.bench.metrics import FIGURE_LABELS, SERVE_LABELS
 from rosecli.engine.errors import ConfigError
 
 # The first figures, in this order; the others follow in the baseline's order.
@@ -36,12 +36,27 @@ _SECONDS_LABELS = {"wall_s": "Wall", "submit_wall_s": "Submit wall", "decode_s":
                    "total_s": "Total time", "prefill_s": "Prefill time"}
 
 
+# Kinds whose figures mean the same things and may be compared: bench stream (in process) and
+# bench serve (over HTTP) both report TTFT, TPOT, ITL, latency and token throughput.
+COMPARABLE = ({"stream", "serve"},)
+_REQUEST_RATES = {"throughput_requests": "Request throughput", "throughput_goodput": "Request goodput",
+                  "throughput_achieved_rate": "Request rate achieved"}
+
+
+def comparable(kinds: set) -> bool:
+    return len(kinds) <= 1 or any(kinds <= group for group in COMPARABLE)
+
+
 def higher_is_better(figure: str) -> bool:
-    return figure.startswith("throughput")
+    return figure.startswith("throughput") or figure == "goodput_share"
 
 
 def unit_of(figure: str) -> str:
     """Display unit: "tokens/s" for rates, "s" for whole-run times, "ms" for per-request times."""
+    if figure in _REQUEST_RATES:
+        return "req/s"
+    if figure == "goodput_share":
+        return "share"
     if higher_is_better(figure):
         return "tokens/s"
     return "s" if figure in _SECONDS_LABELS else "ms"
@@ -51,10 +66,16 @@ def label_of(figure: str) -> str:
     """``ttft_p99`` -> ``TTFT p99``; ``throughput_total`` -> ``Throughput (total)``."""
     if figure in _RATE_LABELS:
         return _RATE_LABELS[figure]
+    if figure in _REQUEST_RATES:
+        return _REQUEST_RATES[figure]
+    if figure == "throughput_peak_output":
+        return "Peak output throughput (1 s)"
+    if figure == "goodput_share":
+        return "Requests meeting every SLO"
     if figure in _SECONDS_LABELS:
         return _SECONDS_LABELS[figure]
     name, _, stat = figure.rpartition("_")
-    return f"{FIGURE_LABELS.get(name, name)} {stat}" if name else figure
+    return f"{FIGURE_LABELS.get(name, SERVE_LABELS.get(name, name))} {stat}" if name else figure
 
 
 @dataclass
@@ -112,7 +133,7 @@ def compare_results(docs: Sequence[dict]) -> list[CompareRow]:
     if len(docs) < 2:
         raise ConfigError("compare needs at least two result files: the baseline first")
     kinds = {d["kind"] for d in docs}
-    if len(kinds) > 1:
+    if not comparable(kinds):
         raise ConfigError(f"cannot compare results of different benchmarks ({', '.join(sorted(kinds))})")
     base_doc = docs[0]
     names = list(base_doc["summary"])

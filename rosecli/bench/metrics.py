@@ -135,6 +135,8 @@ class RunMetrics:
     errors: int = 0  # requests refused or failed (not in any figure)
     chunks: int = 0  # chunks received, all requests
     mean_chunk_tokens: float = float("nan")  # tokens per received chunk
+    goodput_requests: float = float("nan")  # requests meeting every --goodput SLO / wall (req/s)
+    goodput_share: float = float("nan")  # requests meeting every SLO / requests (failed ones included)
 
     @property
     def tpot_left_out(self) -> int:
@@ -205,6 +207,8 @@ def flatten(r: RunMetrics) -> dict[str, float]:
     ``<figure>_p50|p95|p99|mean`` for each of STREAM_FIGURES (s)."""
     out = {"throughput_completion": r.throughput_completion, "throughput_total": r.throughput_total,
            "wall_s": r.wall_s, "submit_wall_s": r.submit_wall_s}
+    if not math.isnan(r.goodput_requests):
+        out.update(throughput_goodput=r.goodput_requests, goodput_share=r.goodput_share)
     for name, d in r.dists.items():
         for q in PERCENTILES:
             out[f"{name}_p{q}"] = getattr(d, f"p{q}")
@@ -285,4 +289,263 @@ def summarize_sched_runs(runs: Sequence[SchedRunMetrics]) -> dict[str, tuple[flo
         vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
         if vals:
             out[name] = (percentile(vals, 50), float(np.mean(vals)))
+    return out
+
+
+# --- goodput (`--goodput`, as vLLM's benchmark defines it) ---------------------------------------
+
+GOODPUT_NAMES = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
+    """``["ttft:500 tpot:50", "e2el:2000"]`` -> {"ttft": 0.5, "tpot": 0.05, "e2el": 2.0} (seconds).
+    Pairs may be given in one value (space or comma separated) or one per --goodput."""
+    from rosecli.engine.errors import ConfigError
+
+    out: dict[str, float] = {}
+    for item in items or ():
+        for pair in item.replace(",", " ").split():
+            name, sep, value = pair.partition(":")
+            name = name.strip().lower()
+            if not sep or name not in GOODPUT_NAMES:
+                raise ConfigError(f"--goodput takes NAME:MILLISECONDS pairs with NAME one of "
+                                  f"{', '.join(GOODPUT_NAMES)} (e.g. --goodput 'ttft:500 tpot:50'), got {pair!r}")
+            try:
+                ms = float(value)
+            except ValueError:
+                ms = float("nan")
+            if not 0 <= ms < math.inf:
+                raise ConfigError(f"--goodput {name}: the SLO must be a number of milliseconds >= 0, got {value!r}")
+            out[name] = ms / 1e3
+    return out
+
+
+def meets_slo(slo: dict[str, float], ttft: float, tpot: float, e2el: float) -> bool:
+    """vLLM's rule: a request is good when each given SLO >= its figure; a one-token request's
+    TPOT counts as 0 (pass ``tpot=0.0`` for it)."""
+    got = {"ttft": ttft, "tpot": tpot, "e2el": e2el}
+    return all(limit >= got[name] for name, limit in slo.items())
+
+
+def stream_goodput(timings: Sequence[RequestTiming], slo: dict[str, float], wall_s: float,
+                   failed: int = 0) -> tuple[float, float]:
+    """(good requests / wall, good requests / all requests) of a `bench stream` run."""
+    good = 0
+    for t in timings:
+        if t.first_token is None or t.finish is None:
+            continue
+        tpot = (t.finish - t.first_token) / (t.output_tokens - 1) if t.output_tokens > 1 else 0.0
+        good += meets_slo(slo, t.first_token - t.submit, tpot, t.finish - t.submit)
+    total = len(timings) + failed
+    return (good / wall_s if wall_s > 0 else float("nan")), (good / total if total else float("nan"))
+
+
+# --- `bench serve`: per-request figures of an HTTP/SSE client ------------------------------------
+#
+# The definitions are vllm/benchmarks/serve.py's (`vllm bench serve`), so the numbers can be laid
+# side by side:
+#
+# - start = just before the request is sent, after any --max-concurrency wait (that wait is
+#   "client queue" = start - dispatched, reported on its own).
+# - TTFT = first SSE event carrying a choice (even with empty text, e.g. a chat role chunk)
+#   - start.
+# - E2EL = last SSE event carrying a choice - start (the trailing usage event and [DONE] do not
+#   count).
+# - TPOT = (E2EL - TTFT) / (output tokens - 1), output tokens from the server's ``usage``;
+#   requests with one output token are left out (and count as TPOT 0 for goodput).
+# - ITL = every gap between consecutive choice events, pooled over the run.
+# - duration = run start (before the first request is due) -> the last request ended;
+#   request throughput = completed / duration; output throughput = output tokens / duration;
+#   total token throughput = (prompt + output tokens) / duration; goodput = requests meeting
+#   every SLO / duration.
+# - peak output tok/s: choice events (one per token on servers that stream each token) in
+#   1 s buckets from the first start; the fullest bucket. Peak concurrency: the most requests
+#   between start and end at one time.
+# - dispatch lag = dispatched - scheduled (how late the client got to a request: the client's
+#   own bottleneck, as bench stream's submit lag).
+
+DEFAULT_METRIC_PERCENTILES = (50.0, 95.0, 99.0)
+SERVE_FIGURES = ("ttft", "tpot", "itl", "latency", "client_queue", "dispatch_lag")
+SERVE_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "latency": "E2EL", "client_queue": "Client queue",
+                "dispatch_lag": "Dispatch lag"}
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """``"50,90,95,99"`` -> (50.0, 90.0, 95.0, 99.0); each in (0, 100]."""
+    from rosecli.engine.errors import ConfigError
+
+    out = []
+    for part in text.split(","):
+        try:
+            q = float(part)
+        except ValueError:
+            q = float("nan")
+        if not 0 < q <= 100:
+            raise ConfigError(f"--metric-percentiles takes comma-separated numbers in (0, 100], e.g. 50,90,99; "
+                              f"got {part.strip()!r}")
+        if q not in out:
+            out.append(q)
+    return tuple(out)
+
+
+def pct_key(q: float) -> str:
+    """50 -> "p50", 99.9 -> "p99.9" (vLLM's naming)."""
+    return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
+
+
+@dataclass
+class HttpTiming:
+    """One HTTP request of `bench serve`, ``time.perf_counter()`` seconds."""
+
+    index: int
+    prompt_tokens: int  # the server's usage.prompt_tokens, else the client's count
+    output_tokens: int  # the server's usage.completion_tokens (else choice events with text)
+    asked_tokens: int  # max_tokens sent
+    scheduled: float  # when the arrival schedule said to send it
+    dispatched: float  # when the client got to it (before any --max-concurrency wait)
+    start: Optional[float] = None  # just before the request was sent
+    event_times: list[float] = field(default_factory=list)  # each SSE event carrying a choice
+    success: bool = False
+    error_kind: Optional[str] = None
+    error: Optional[str] = None
+    usage_reported: bool = False
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return self.event_times[0] - self.start if self.event_times and self.start is not None else None
+
+    @property
+    def e2el(self) -> Optional[float]:
+        return self.event_times[-1] - self.start if self.event_times and self.start is not None else None
+
+    @property
+    def tpot(self) -> Optional[float]:
+        if self.output_tokens < 2 or self.ttft is None:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class PDist:
+    """mean, std (population, as numpy/vLLM) and the chosen percentiles of one figure, seconds."""
+
+    mean: float
+    std: float
+    count: int
+    pcts: dict[str, float]
+
+    @classmethod
+    def of(cls, values: Sequence[float], percentiles: Sequence[float]) -> "PDist":
+        vals = [v for v in values if v is not None and not math.isnan(v)]
+        arr = np.asarray(vals, dtype=np.float64)
+        nan = float("nan")
+        return cls(float(arr.mean()) if vals else nan, float(arr.std()) if vals else nan, len(vals),
+                   {pct_key(q): percentile(vals, q) for q in percentiles})
+
+
+@dataclass
+class ServeRunMetrics:
+    """One `bench serve` run. Times in s, rates per s."""
+
+    requests: int
+    completed: int
+    failed: int
+    prompt_tokens: int
+    completion_tokens: int
+    wall_s: float  # duration: run start -> last request ended
+    throughput_requests: float
+    throughput_completion: float  # output tokens / duration
+    throughput_total: float  # (prompt + output tokens) / duration
+    peak_output: float  # output tok/s in the fullest 1 s bucket
+    peak_concurrency: int
+    dists: dict[str, PDist]  # SERVE_FIGURES -> PDist
+    percentiles: tuple[float, ...] = DEFAULT_METRIC_PERCENTILES
+    goodput_requests: float = float("nan")  # good requests / duration (NaN without --goodput)
+    goodput_share: float = float("nan")  # good requests / requests
+    target_rate: float = float("inf")  # --request-rate
+    achieved_rate: float = float("nan")  # requests / (last dispatch - run start)
+    short_outputs: int = 0  # completed with fewer output tokens than asked while ignore_eos was sent
+    usage_missing: int = 0  # completed without a usage event (output tokens estimated)
+    failure_kinds: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tpot_left_out(self) -> int:
+        return self.completed - self.dists["tpot"].count
+
+
+def summarize_serve_run(timings: Sequence[HttpTiming], wall_start: float, wall_end: float,
+                        percentiles: Sequence[float] = DEFAULT_METRIC_PERCENTILES,
+                        goodput: Optional[dict[str, float]] = None, request_rate: Optional[float] = None,
+                        expect_full_outputs: bool = False) -> ServeRunMetrics:
+    """Figures of one `bench serve` run (definitions above). ``expect_full_outputs``: ignore_eos
+    was sent, so a completed request with fewer tokens than asked counts in ``short_outputs``."""
+    pcts = tuple(sorted(set(percentiles) | {50.0}))
+    ok = [t for t in timings if t.success]
+    failed = [t for t in timings if not t.success]
+    figs: dict[str, list[float]] = {k: [] for k in SERVE_FIGURES}
+    good = 0
+    for t in ok:
+        figs["ttft"].append(t.ttft)
+        figs["latency"].append(t.e2el)
+        if t.tpot is not None:
+            figs["tpot"].append(t.tpot)
+        ev = t.event_times
+        figs["itl"].extend(ev[i + 1] - ev[i] for i in range(len(ev) - 1))
+        figs["client_queue"].append(t.start - t.dispatched)
+        if goodput:
+            good += meets_slo(goodput, t.ttft, t.tpot if t.tpot is not None else 0.0, t.e2el)
+    figs["dispatch_lag"] = [t.dispatched - t.scheduled for t in timings]
+    wall = wall_end - wall_start
+    per_s = (lambda n: n / wall) if wall > 0 else (lambda n: float("nan"))
+    prompt = sum(t.prompt_tokens for t in ok)
+    completion = sum(t.output_tokens for t in ok)
+    peak, concurrency = 0.0, 0
+    if ok:
+        t0 = min(t.start for t in ok)
+        buckets: dict[int, int] = {}
+        for t in ok:
+            for x in t.event_times:
+                b = int(x - t0)
+                buckets[b] = buckets.get(b, 0) + 1
+        peak = float(max(buckets.values(), default=0))
+        events = sorted([(t.start, 1) for t in ok] + [(t.start + t.e2el, -1) for t in ok])
+        live = 0
+        for _, d in events:
+            live += d
+            concurrency = max(concurrency, live)
+    kinds: dict[str, int] = {}
+    for t in failed:
+        kinds[t.error_kind or "error"] = kinds.get(t.error_kind or "error", 0) + 1
+    m = ServeRunMetrics(
+        len(timings), len(ok), len(failed), prompt, completion, wall, per_s(len(ok)), per_s(completion),
+        per_s(prompt + completion), peak, concurrency, {k: PDist.of(v, pcts) for k, v in figs.items()}, pcts,
+        failure_kinds=kinds, short_outputs=sum(expect_full_outputs and t.output_tokens < t.asked_tokens for t in ok),
+        usage_missing=sum(not t.usage_reported for t in ok))
+    if goodput:
+        m.goodput_requests = per_s(good)
+        m.goodput_share = good / len(timings) if timings else float("nan")
+    if request_rate is not None and math.isfinite(request_rate):
+        m.target_rate = request_rate
+        last = max((t.dispatched for t in timings), default=wall_start)
+        m.achieved_rate = len(timings) / (last - wall_start) if last > wall_start else float("nan")
+    return m
+
+
+def serve_flatten(m: ServeRunMetrics) -> dict[str, float]:
+    """One serve run's figures under flat keys, named as `flatten`'s where the figure is the same
+    kind of number, so `rose bench compare` can lay a serve file beside a stream file:
+    throughput_completion / throughput_total (tokens/s), throughput_requests (req/s),
+    throughput_peak_output (tokens/s), throughput_goodput (req/s) and goodput_share (with
+    --goodput), wall_s, and ``<figure>_<pXX>|mean|std`` for SERVE_FIGURES (latency = E2EL)."""
+    out = {"throughput_completion": m.throughput_completion, "throughput_total": m.throughput_total,
+           "throughput_requests": m.throughput_requests, "throughput_peak_output": m.peak_output, "wall_s": m.wall_s}
+    if not math.isnan(m.goodput_requests):
+        out.update(throughput_goodput=m.goodput_requests, goodput_share=m.goodput_share)
+    if not math.isnan(m.achieved_rate):
+        out["throughput_achieved_rate"] = m.achieved_rate
+    for name, d in m.dists.items():
+        for k, v in d.pcts.items():
+            out[f"{name}_{k}"] = v
+        out[f"{name}_mean"] = d.mean
+        out[f"{name}_std"] = d.std
     return out

@@ -43,7 +43,8 @@ from rich.table import Table
 from rich.text import Text
 
 from rosecli.bench.compare import CompareRow
-from rosecli.bench.metrics import FIGURE_LABELS, STREAM_FIGURES, Dist, RunMetrics, SchedRunMetrics
+from rosecli.bench.metrics import (FIGURE_LABELS, SERVE_FIGURES, SERVE_LABELS, STREAM_FIGURES, Dist, RunMetrics,
+                                   SchedRunMetrics, ServeRunMetrics, pct_key)
 
 _PLAIN_LABELS = dict(FIGURE_LABELS, queue_wait="Queue wait (post-tok)")
 _VERDICT_STYLE = {"better": "green", "worse": "red", "noise": "dim", "same": "dim", "n/a": "dim", "missing": "dim"}
@@ -145,6 +146,8 @@ def sched_lines(m: SchedRunMetrics) -> list[str]:
 
 def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
     """A warm-up run in one line, worded so that greps for measured figures do not match it."""
+    if isinstance(m, ServeRunMetrics):
+        return serve_warmup_line(m)
     if isinstance(m, RunMetrics):
         return (f"warmup (not measured): {m.completion_tokens} tokens in {m.wall_s:.3f} s, "
                 f"{m.throughput_completion:.2f} tokens/s, TTFT p50 {_ms(m.dists['ttft'].p50)} ms, "
@@ -159,8 +162,8 @@ class RunTable:
 
     def __init__(self, console: Console, kind: str, title: str = "", plain: Optional[bool] = None,
                  refresh_s: float = 0.25):
-        if kind not in ("stream", "sched"):
-            raise ValueError(f"RunTable kind must be stream or sched, got {kind!r}")
+        if kind not in ("stream", "sched", "serve"):
+            raise ValueError(f"RunTable kind must be stream, sched or serve, got {kind!r}")
         self.console = console
         self.kind = kind
         self.title = title
@@ -220,7 +223,8 @@ class RunTable:
             if row[1]:
                 _emit(self.console, warmup_line(metrics))
             else:
-                for line in (stream_lines(metrics) if self.kind == "stream" else sched_lines(metrics)):
+                lines = {"stream": stream_lines, "sched": sched_lines, "serve": serve_lines}[self.kind]
+                for line in lines(metrics):
                     _emit(self.console, line)
         else:
             self._draw(force=True)
@@ -235,7 +239,9 @@ class RunTable:
 
     def _render(self) -> Table:
         table = Table(title=self.title or None, title_justify="left")
-        if self.kind == "stream":
+        if self.kind == "serve":
+            cols = SERVE_COLUMNS
+        elif self.kind == "stream":
             cols = ["run", "status", "tok/s (compl)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
                     "Latency p50/p99 ms"]
         else:
@@ -249,6 +255,8 @@ class RunTable:
             status = "warmup, not measured" if warmup else "measured"
             if m is None:
                 table.add_row(name, self.progress, *[""] * (len(cols) - 2), style=style)
+            elif isinstance(m, ServeRunMetrics):
+                table.add_row(name, status, *serve_row(m), style=style)
             elif isinstance(m, RunMetrics):
                 d = m.dists
                 table.add_row(name, status, f"{m.throughput_completion:,.0f}",
@@ -413,3 +421,145 @@ def print_compare(console: Console, names: Sequence[str], rows: Sequence[Compare
     console.print(table)
     console.print(Text("noise: the change is within the spread (max - min) of repeat runs; "
                        "n/a: one measured run in each file, not judged", style="dim"))
+
+
+# --- `bench serve` ------------------------------------------------------------------------------
+
+SERVE_COLUMNS = ["run", "status", "ok/failed", "req/s", "tok/s (out)", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                 "ITL p50/p99 ms", "E2EL p50/p99 ms"]
+
+
+def _p(d, q: str) -> Optional[float]:
+    return d.pcts.get(q)
+
+
+def serve_row(m: ServeRunMetrics) -> list[str]:
+    top = pct_key(max(m.percentiles))
+    return [f"{m.completed}/{m.failed}", f"{m.throughput_requests:,.2f}", f"{m.throughput_completion:,.0f}",
+            *[f"{_ms(_p(m.dists[k], 'p50'))}/{_ms(_p(m.dists[k], top))}" for k in ("ttft", "tpot", "itl", "latency")]]
+
+
+def serve_warmup_line(m: ServeRunMetrics) -> str:
+    return (f"warmup (not measured): {m.completed} ok, {m.failed} failed, {m.completion_tokens} tokens in "
+            f"{m.wall_s:.3f} s, {m.throughput_completion:.2f} tokens/s, TTFT p50 {_ms(_p(m.dists['ttft'], 'p50'))} ms, "
+            f"TPOT p50 {_ms(_p(m.dists['tpot'], 'p50'))} ms/token")
+
+
+def _serve_dist_line(name: str, pcts: Sequence[str], vals: Sequence[Optional[float]], mean, std) -> str:
+    unit = " ms/token" if name == "tpot" else " ms"
+    return (f"{SERVE_LABELS[name]} {'/'.join(pcts)}: {'/'.join(_ms(v) for v in vals)}{unit} "
+            f"(mean {_ms(mean)}, std {_ms(std)})")
+
+
+def serve_lines(m: ServeRunMetrics) -> list[str]:
+    """One measured serve run, in the stream runs' line format (figures with no samples left out)."""
+    keys = [pct_key(q) for q in m.percentiles]
+    lines = [f"Requests: {m.requests} ({m.completed} completed, {m.failed} failed)",
+             f"Prompt tokens (total): {m.prompt_tokens}", f"Completion tokens (total): {m.completion_tokens}"]
+    for k in SERVE_FIGURES:
+        d = m.dists[k]
+        if d.count == 0 or (k == "client_queue" and not d.mean > 0):
+            continue
+        line = _serve_dist_line(k, keys, [d.pcts[q] for q in keys], d.mean, d.std)
+        if k == "tpot" and m.tpot_left_out:
+            line += f" ({m.tpot_left_out} one-token request{'s' if m.tpot_left_out != 1 else ''} left out)"
+        lines.append(line)
+    lines.append(f"Request throughput: {m.throughput_requests:.2f} req/s")
+    if not _absent(m.goodput_requests):
+        lines.append(f"Request goodput: {m.goodput_requests:.2f} req/s ({100 * m.goodput_share:.1f}% of requests "
+                     "met every SLO)")
+    lines.append(f"Throughput (completion,total): {m.throughput_completion:.2f} tokens/s")
+    lines.append(f"Throughput (prompt+completion,total): {m.throughput_total:.2f} tokens/s")
+    lines.append(f"Peak output throughput (1 s window): {m.peak_output:.2f} tokens/s; peak concurrent requests: "
+                 f"{m.peak_concurrency}")
+    if not _absent(m.achieved_rate):
+        lines.append(f"Request rate: target {m.target_rate:.2f}, achieved {m.achieved_rate:.2f} req/s")
+    lines.append(f"Wall: {m.wall_s:.6f} s")
+    lines += serve_warnings(m)
+    return lines
+
+
+def serve_warnings(m: ServeRunMetrics) -> list[str]:
+    out = []
+    if m.short_outputs:
+        out.append(f"Short outputs: {m.short_outputs} of {m.completed} completed requests returned fewer tokens than "
+                   "asked although ignore_eos/min_tokens were sent (the server ignored them)")
+    if m.usage_missing:
+        out.append(f"No usage: {m.usage_missing} requests ended without a usage event; their output tokens are "
+                   "counted as events with text (an estimate)")
+    return out
+
+
+def _row(label: str, value) -> str:
+    return f"{label:<40} {value}"
+
+
+def serve_summary_lines(measured: Sequence[ServeRunMetrics], summary: dict, info: dict) -> list[str]:
+    """vLLM's result block (``vllm bench serve`` prints the same names), over the measured runs:
+    counts are totals, figures the median of the runs' figures. ``info``: max_concurrency,
+    request_rate."""
+    n = len(measured)
+    pcts = measured[0].percentiles if measured else ()
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
+             _row("Measured runs (figures: their median):", n)]
+    lines.append(_row("Successful requests:", sum(m.completed for m in measured)))
+    lines.append(_row("Failed requests:", sum(m.failed for m in measured)))
+    if info.get("max_concurrency") is not None:
+        lines.append(_row("Maximum request concurrency:", info["max_concurrency"]))
+    rate = info.get("request_rate")
+    if rate is not None and math.isfinite(rate):
+        lines.append(_row("Request rate configured (RPS):", f"{rate:.2f}"))
+        lines.append(_row("Request rate achieved (RPS):", _num(summary.get("throughput_achieved_rate"))))
+    lines.append(_row("Benchmark duration (s):", _num(summary.get("wall_s"))))
+    lines.append(_row("Total input tokens:", sum(m.prompt_tokens for m in measured)))
+    lines.append(_row("Total generated tokens:", sum(m.completion_tokens for m in measured)))
+    lines.append(_row("Request throughput (req/s):", _num(summary.get("throughput_requests"))))
+    if "throughput_goodput" in summary:
+        lines.append(_row("Request goodput (req/s):", _num(summary.get("throughput_goodput"))))
+        lines.append(_row("Requests meeting every SLO (%):", _num(100 * summary["goodput_share"]
+                                                                   if not _absent(summary.get("goodput_share"))
+                                                                   else None)))
+    lines.append(_row("Output token throughput (tok/s):", _num(summary.get("throughput_completion"))))
+    lines.append(_row("Peak output token throughput (tok/s):", _num(summary.get("throughput_peak_output"))))
+    lines.append(_row("Peak concurrent requests:", max((m.peak_concurrency for m in measured), default=0)))
+    lines.append(_row("Total token throughput (tok/s):", _num(summary.get("throughput_total"))))
+    headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+               "itl": "Inter-token Latency", "latency": "End-to-end Latency", "client_queue": "Client-side Queueing",
+               "dispatch_lag": "Client dispatch lag (late vs schedule)"}
+    for k in SERVE_FIGURES:
+        if _absent(summary.get(f"{k}_mean")):
+            continue
+        if k == "client_queue" and info.get("max_concurrency") is None:
+            continue
+        name = SERVE_LABELS[k]
+        lines.append("{s:{c}^{n}}".format(s=headers[k], n=50, c="-"))
+        lines.append(_row(f"Mean {name} (ms):", _ms(summary.get(f"{k}_mean"))))
+        lines.append(_row(f"Median {name} (ms):", _ms(summary.get(f"{k}_p50"))))
+        lines.append(_row(f"Std {name} (ms):", _ms(summary.get(f"{k}_std"))))
+        for q in pcts:
+            key = pct_key(q)
+            lines.append(_row(f"{key.upper()} {name} (ms):", _ms(summary.get(f"{k}_{key}"))))
+    lines.append("=" * 50)
+    for m in measured:
+        for w in serve_warnings(m):
+            if w not in lines:
+                lines.append(w)
+    return lines
+
+
+def _num(v) -> str:
+    return "-" if _absent(v) else f"{v:.2f}"
+
+
+def print_serve_summary(console: Console, measured: Sequence[ServeRunMetrics], summary: dict, info: dict) -> None:
+    """The same block in a terminal and in a pipe: it is what users grep and paste beside vLLM's."""
+    for line in serve_summary_lines(measured, summary, info):
+        _emit(console, line)
+
+
+def print_goodput(console: Console, summary: dict, slo: dict) -> None:
+    """`bench stream --goodput`: one line, median over the measured runs."""
+    slos = ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items())
+    share = summary.get("goodput_share")
+    _emit(console, f"Request goodput ({slos}): {summary.get('throughput_goodput', float('nan')):.2f} req/s, "
+                   f"{'-' if _absent(share) else f'{100 * share:.1f}%'} of requests met every SLO")

@@ -4,7 +4,13 @@ Schema ``rosecli.bench/1``: one JSON object (documented also in docs/bench-resul
 Times are seconds, rates tokens/s; a figure that could not be measured is ``null``.
 
 - ``schema``: ``"rosecli.bench/1"``. A reader refuses any other value.
-- ``kind``: ``"stream"`` | ``"sched"``.
+- ``kind``: ``"stream"`` | ``"sched"`` | ``"serve"`` (`rose bench serve`: measured by an HTTP/SSE
+  client against a server; its ``config`` holds ``base_url``, ``endpoint``, ``model``, the
+  dataset and load shape, its runs also ``counts``: requests, completed, failed, tokens,
+  ``failure_kinds``; its ``requests`` entries: ``request_id``, ``prompt_tokens``,
+  ``output_tokens``, ``asked_tokens``, ``success``, ``error_kind``, ``error``,
+  ``usage_reported`` and the times ``scheduled``, ``dispatched``, ``start``, ``event_times``
+  (each SSE event carrying a choice), relative to the run's start).
 - ``command``: the command line that produced it (``rose bench stream ...``).
 - ``config``: every option of the run (engine, workload, sampling), name -> value.
 - ``environment``: ``gpu`` (device name or null), ``gpu_count``, ``cuda`` (torch's CUDA
@@ -55,7 +61,7 @@ from rosecli.bench.metrics import RequestTiming, RunMetrics, SchedRunMetrics, fl
 from rosecli.engine.errors import ConfigError
 
 SCHEMA = "rosecli.bench/1"
-KINDS = ("stream", "sched")
+KINDS = ("stream", "sched", "serve")
 _TIMESTAMPS = ("scheduled_submit", "submit", "add_request_done", "tokenized", "admitted", "first_token", "finish")
 
 

@@ -30,7 +30,7 @@ def _direct_throughput(engine, manager: StreamingManager, workload, params: Samp
 
 
 def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table,
-                 against_direct: bool = False) -> dict:
+                 against_direct: bool = False, goodput: dict | None = None) -> dict:
     """Returns {"runs": [...], "summary": {...}, "requests": [...], "measured": [RunMetrics],
     "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}.
     ``against_direct``: after each run, the same workload through the scheduler directly; its
@@ -45,6 +45,9 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
             table.start_run(label, warmup)
             run = run_stream(manager, workload, params, table.update)
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
+            if goodput:  # --goodput: the requests meeting every SLO, as vLLM (metrics.meets_slo)
+                m.goodput_requests, m.goodput_share = metrics.stream_goodput(run.timings, goodput, m.wall_s,
+                                                                             len(run.failures))
             table.finish_run(m)
             figures = metrics.flatten(m)
             if against_direct:

@@ -1,0 +1,263 @@
+"""The HTTP/SSE client of `rose bench serve`: asyncio + httpx, one connection per in-flight
+request, timestamps taken as bytes arrive.
+
+Per request (`metrics.HttpTiming`): ``scheduled`` (the arrival schedule), ``dispatched`` (the
+client got to it), ``start`` (just before the request is sent, after any ``--max-concurrency``
+wait), and the receive time of every SSE event carrying a choice. Events that arrive in one
+network read share its receive time. ``output_tokens`` come from the final ``usage`` event
+(the request asks for it with ``stream_options: {"include_usage": true}``).
+
+A request that does not end in ``data: [DONE]`` with at least one choice event is failed, with
+one of these kinds (never a traceback): ``connection_refused``, ``timeout`` (no byte for
+``--request-timeout`` seconds, or no connection within it), ``http_401``, ``http_403``,
+``http_429``, ``http_5xx``, ``http_<status>`` (other 4xx), ``server_gone`` (the connection
+closed mid-stream), ``stream_error`` (the server sent an error event), ``bad_response`` (not
+SSE/JSON, or no choice event), ``client_error`` (anything else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from rosecli.bench.datasets import ServeRequest
+from rosecli.bench.metrics import HttpTiming
+from rosecli.engine.errors import ConfigError
+
+Progress = Callable[[int, int, int, float], None]  # (finished, total, output tokens, elapsed s)
+_ERROR_BODY = 300  # characters of an error body kept in a message
+
+
+@dataclass
+class Target:
+    base_url: str  # http://host:port (no trailing /v1)
+    endpoint: str = "/v1/completions"
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    request_timeout: float = 600.0
+    ignore_eos: bool = True  # also sends min_tokens = max_tokens
+    extra_body: dict = field(default_factory=dict)
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def payload(self, req: ServeRequest) -> dict:
+        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}}
+        if self.chat:
+            body.update(messages=req.prompt, max_completion_tokens=req.output_len, max_tokens=req.output_len)
+        else:
+            body.update(prompt=req.prompt, max_tokens=req.output_len)
+        if self.ignore_eos:
+            body.update(ignore_eos=True, min_tokens=req.output_len)
+        body.update(self.extra_body)
+        return body
+
+
+def normalize_base_url(url: str) -> str:
+    """``http://h:8000/v1/`` -> ``http://h:8000``; refuses what is not an http(s) URL."""
+    u = url.strip().rstrip("/")
+    if not u.startswith(("http://", "https://")) or len(u.split("://", 1)[1]) == 0:
+        raise ConfigError(f"--base-url must be an http:// or https:// URL such as http://127.0.0.1:8000, got {url!r}")
+    return u.removesuffix("/v1")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return " ".join(text.split())[:_ERROR_BODY]
+
+
+def _status_kind(status: int) -> str:
+    if status in (401, 403, 429):
+        return f"http_{status}"
+    return "http_5xx" if status >= 500 else f"http_{status}"
+
+
+def _error_text(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else the body's start."""
+    text = body.decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(text).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:_ERROR_BODY]
+        if isinstance(err, str):
+            return err[:_ERROR_BODY]
+    return " ".join(text.split())[:_ERROR_BODY]
+
+
+def check_server(target: Target, timeout: float = 10.0) -> list[str]:
+    """Before any run: ask ``/v1/models``; one ConfigError line when nobody answers, the key is
+    refused, or the model is not served. Returns the served model ids (empty when the server
+    has no /v1/models). Sets ``target.model`` to the first served model when none was given."""
+    import httpx
+
+    url = f"{target.base_url}/v1/models"
+    try:
+        with httpx.Client(timeout=timeout) as client:
+            r = client.get(url, headers=target.headers())
+    except httpx.ConnectError as e:
+        raise ConfigError(f"no server answers at {target.base_url} ({_reason(e)}): start it, or check --base-url") \
+            from None
+    except httpx.TimeoutException:
+        raise ConfigError(f"the server at {target.base_url} did not answer GET /v1/models within {timeout:g} s") \
+            from None
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {url}: {_reason(e)}") from None
+    if r.status_code in (401, 403):
+        what = "refused the API key" if target.api_key else "wants an API key"
+        raise ConfigError(f"the server at {target.base_url} {what} (HTTP {r.status_code}: {_error_text(r.content)}): "
+                          "pass the right --api-key")
+    ids: list[str] = []
+    if r.status_code == 200:
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            ids = [m["id"] for m in r.json().get("data", []) if isinstance(m, dict) and "id" in m]
+    elif r.status_code != 404:
+        raise ConfigError(f"GET {url} answered HTTP {r.status_code}: {_error_text(r.content)}")
+    if target.model is None:
+        if not ids:
+            raise ConfigError(f"the server at {target.base_url} lists no models: pass --model")
+        target.model = ids[0]
+    elif ids and target.model not in ids:
+        raise ConfigError(f"the server at {target.base_url} does not serve {target.model!r} (it serves "
+                          f"{', '.join(ids[:8])}): pass one of them as --model")
+    return ids
+
+
+@dataclass
+class ServeRun:
+    timings: list[HttpTiming]
+    wall_start: float  # run start: before the first request was due
+    wall_end: float  # the last request ended
+
+
+class _Failed(Exception):
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+async def _read_stream(response, t: HttpTiming, chat: bool) -> None:
+    """Consume one SSE response, filling ``t``; raises _Failed when it does not end well."""
+    buf = b""
+    done = False
+    content_events = 0
+    async for chunk in response.aiter_bytes():
+        now = time.perf_counter()
+        buf += chunk
+        if b"\r" in buf:
+            buf = buf.replace(b"\r\n", b"\n")
+        while b"\n\n" in buf:
+            message, buf = buf.split(b"\n\n", 1)
+            for line in message.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # comments (": ping"), event:/id: fields
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    continue
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    raise _Failed("bad_response", f"an SSE event is not JSON: {data[:80]!r}") from None
+                if not isinstance(obj, dict):
+                    raise _Failed("bad_response", f"an SSE event is not a JSON object: {data[:80]!r}")
+                choices = obj.get("choices")
+                if choices:
+                    t.event_times.append(now)
+                    c = choices[0] if isinstance(choices[0], dict) else {}
+                    text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                    content_events += bool(text)
+                elif isinstance(obj.get("usage"), dict):
+                    u = obj["usage"]
+                    if isinstance(u.get("completion_tokens"), int):
+                        t.output_tokens = u["completion_tokens"]
+                        t.usage_reported = True
+                    if isinstance(u.get("prompt_tokens"), int):
+                        t.prompt_tokens = u["prompt_tokens"]
+                elif "error" in obj:
+                    err = obj["error"]
+                    msg = err.get("message") if isinstance(err, dict) else err
+                    raise _Failed("stream_error", f"the server ended the stream with an error: {msg}")
+    if not done:
+        raise _Failed("server_gone", "the stream ended without data: [DONE] (the server closed it mid-stream)")
+    if not t.event_times:
+        raise _Failed("bad_response", "the stream carried no choice event")
+    if not t.usage_reported:
+        t.output_tokens = content_events  # no usage event: one token per event with text (an estimate)
+
+
+async def _send(client, target: Target, req: ServeRequest, t: HttpTiming, sem) -> None:
+    import httpx
+
+    try:
+        async with sem:
+            t.start = time.perf_counter()
+            try:
+                async with client.stream("POST", target.endpoint, json=target.payload(req)) as r:
+                    if r.status_code != 200:
+                        body = await r.aread()
+                        raise _Failed(_status_kind(r.status_code), f"HTTP {r.status_code}: {_error_text(body)}")
+                    await _read_stream(r, t, target.chat)
+            except httpx.ConnectError as e:
+                raise _Failed("connection_refused", _reason(e)) from None
+            except httpx.TimeoutException as e:
+                raise _Failed("timeout", f"no answer within --request-timeout {target.request_timeout:g} s "
+                                         f"({type(e).__name__})") from None
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                raise _Failed("server_gone", f"the connection broke: {_reason(e)}") from None
+        t.success = True
+    except _Failed as f:
+        t.success, t.error_kind, t.error = False, f.kind, f"request {t.index}: {f}"
+    except Exception as e:  # anything else is counted and reported, never a traceback
+        t.success, t.error_kind, t.error = False, "client_error", f"request {t.index}: {type(e).__name__}: {_reason(e)}"
+
+
+def make_client(target: Target, max_concurrency: Optional[int]):
+    import httpx
+
+    timeout = httpx.Timeout(target.request_timeout, connect=min(30.0, target.request_timeout))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency or 256)
+    return httpx.AsyncClient(base_url=target.base_url, headers=target.headers(), timeout=timeout, limits=limits)
+
+
+async def run_serve(client, target: Target, requests: list[ServeRequest], offsets: list[float],
+                    max_concurrency: Optional[int] = None, progress: Optional[Progress] = None,
+                    progress_every_s: float = 0.1) -> ServeRun:
+    """Send ``requests`` on the schedule ``offsets`` (seconds after the start) and wait for all."""
+    n = len(requests)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    timings = [HttpTiming(i, r.prompt_len, 0, r.output_len, 0.0, 0.0) for i, r in enumerate(requests)]
+    start = time.perf_counter()
+    tasks = []
+    stop = asyncio.Event()
+
+    async def report() -> None:
+        while not stop.is_set():
+            done = [t for t in timings if t.success or t.error_kind]
+            progress(len(done), n, sum(t.output_tokens for t in done), time.perf_counter() - start)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), progress_every_s)
+
+    reporter = asyncio.create_task(report()) if progress else None
+    for i, req in enumerate(requests):
+        due = start + offsets[i]
+        left = due - time.perf_counter()
+        if left > 0:
+            await asyncio.sleep(left)
+        t = timings[i]
+        t.scheduled, t.dispatched = due, time.perf_counter()
+        tasks.append(asyncio.create_task(_send(client, target, req, t, sem)))
+    await asyncio.gather(*tasks)
+    end = time.perf_counter()
+    if reporter is not None:
+        stop.set()
+        await reporter
+        progress(n, n, sum(t.output_tokens for t in timings if t.success), end - start)
+    return ServeRun(timings, start, end)

@@ -1,0 +1,63 @@
+"""Warm-up and measured runs of `rose bench serve` over one HTTP client, and their results."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from rosecli.bench import metrics
+from rosecli.bench.datasets import ServeRequest
+from rosecli.bench.http_client import Target, make_client, run_serve
+
+
+def _labels(warmups: int, repeats: int):
+    """As bench stream's run labels (no import of its engine-side runner: this is client only)."""
+    for i in range(warmups):
+        yield f"warmup {i + 1}/{warmups}", True
+    for i in range(repeats):
+        yield f"run {i + 1}/{repeats}", False
+
+
+def serve_request_records(timings, t0: float) -> list[dict]:
+    """Raw per-request figures of one run, times relative to ``t0`` (the run's start)."""
+    rel = (lambda x: None if x is None else x - t0)
+    return [{"request_id": t.index, "prompt_tokens": t.prompt_tokens, "output_tokens": t.output_tokens,
+             "asked_tokens": t.asked_tokens, "success": t.success, "error_kind": t.error_kind, "error": t.error,
+             "usage_reported": t.usage_reported, "scheduled": rel(t.scheduled), "dispatched": rel(t.dispatched),
+             "start": rel(t.start), "event_times": [x - t0 for x in t.event_times]} for t in timings]
+
+
+def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[float], warmups: int, repeats: int,
+                table, *, max_concurrency: Optional[int] = None, percentiles=metrics.DEFAULT_METRIC_PERCENTILES,
+                goodput: Optional[dict] = None, request_rate: Optional[float] = None) -> dict:
+    """Every run sends the same requests on the same schedule over one client (connections kept
+    between runs, as a long-lived client would). Returns {"runs", "summary", "requests",
+    "measured": [ServeRunMetrics], "failures": [(kind, message)] of the measured runs,
+    "submitted"}."""
+
+    async def main() -> dict:
+        runs, raw, measured, failures = [], [], [], []
+        async with make_client(target, max_concurrency) as client:
+            for label, warmup in _labels(warmups, repeats):
+                table.start_run(label, warmup)
+                run = await run_serve(client, target, requests, offsets, max_concurrency, table.update)
+                m = metrics.summarize_serve_run(run.timings, run.wall_start, run.wall_end, percentiles, goodput,
+                                                request_rate, expect_full_outputs=target.ignore_eos)
+                table.finish_run(m)
+                errors = [t.error for t in run.timings if not t.success]
+                runs.append({"label": label, "warmup": warmup, "figures": metrics.serve_flatten(m),
+                             "counts": {"requests": m.requests, "completed": m.completed, "failed": m.failed,
+                                        "prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
+                                        "short_outputs": m.short_outputs, "usage_missing": m.usage_missing,
+                                        "peak_concurrency": m.peak_concurrency, "failure_kinds": m.failure_kinds},
+                             "errors": errors})
+                if not warmup:
+                    measured.append(m)
+                    raw.append(serve_request_records(run.timings, run.wall_start))
+                    failures += [(t.error_kind, t.error) for t in run.timings if not t.success]
+        from rosecli.bench.results import summary_of
+
+        return {"runs": runs, "summary": summary_of(runs), "requests": raw, "measured": measured,
+                "failures": failures, "submitted": len(requests) * repeats}
+
+    return asyncio.run(main())

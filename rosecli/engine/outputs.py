@@ -154,7 +154,9 @@ class OutputProcessor:
             scheduler = self.scheduler
             failed = None
             for req, tok in records:
-                if req is None or req.abandoned or req.done.is_set():
+                # a request ended by the output processor or its caller has no seq any more: no
+                # later token of it comes, so ``done`` needs no test here
+                if req is None or req.abandoned:
                     continue
                 try:
                     req.output_tokens += 1
@@ -168,18 +170,17 @@ class OutputProcessor:
                         req.ts.token_times.append(now)
                     piece = req.detok.push(tok)
                     req.pending_tokens += 1
-                    if piece:
-                        if req.stops:
-                            start = len(req.unsent)
-                            req.unsent += piece
-                            cut = find_stop(req.unsent, req.stops, start)
-                            if cut >= 0:
-                                req.unsent = req.unsent[:cut]
-                                self._finish(req, scheduler.finish_request(req.rid, FinishReason.STOP), now,
-                                             stopped=True)
-                                continue
-                        else:
-                            req.unsent += piece
+                    if req.stops and piece:
+                        start = len(req.unsent)
+                        req.unsent += piece
+                        cut = find_stop(req.unsent, req.stops, start)
+                        if cut >= 0:
+                            req.unsent = req.unsent[:cut]
+                            self._finish(req, scheduler.finish_request(req.rid, FinishReason.STOP), now,
+                                         stopped=True)
+                            continue
+                    else:
+                        req.unsent += piece
                     # first token at once; a finishing request is flushed below, with the rest of its text
                     if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
                         self._flush(req, now)

@@ -46,9 +46,10 @@ def generate(
         if use_chat and not engine.inputs.has_chat_template:
             o.fail(f"--chat was given but {engine.model_name} has no chat template: use --no-chat")
         inputs = [engine.inputs.chat(p) if use_chat else p for p in prompts]
-        manager = StreamingManager(engine)
+        manager = StreamingManager(engine, start=False)
         try:
             ids = [manager.add_request(x, params) for x in inputs]
+            manager.start()  # every prompt is admitted in the first step: one batch
             out = sys.stdout
             if len(prompts) == 1:
                 stream = manager.stream(ids[0])

@@ -70,8 +70,8 @@ class LLMEngine:
                                   self.stages, log)
         self.startup_times.update(self.runner.prepare(progress))
         self.scheduler = Scheduler(config, self.runner, self.loaded.eos_token_ids, self.max_model_len, self.stages)
-        self.inputs = InputProcessor(self.tokenizer, self.max_model_len,
-                                     getattr(self.loaded.model, "vocab_size", None) or len(self.tokenizer), self.scheduler.block_manager)
+        vocab_size = getattr(self.loaded.model, "vocab_size", None) or len(self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, vocab_size, self.scheduler.block_manager)
 
     @property
     def model_name(self) -> str:
@@ -84,9 +84,15 @@ class LLMEngine:
         from rosecli.engine.streaming import StreamingManager
 
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        manager = StreamingManager(self)
+        manager = StreamingManager(self, start=False)
+        room = self.config.max_inflight_requests or len(prompts)
         try:
-            ids = [manager.add_request(p, sp) for p, sp in zip(prompts, plist)]
+            ids = []
+            for i, (p, sp) in enumerate(zip(prompts, plist)):
+                if i == room:  # the rest waits for room: the worker must run
+                    manager.start()
+                ids.append(manager.add_request(p, sp))
+            manager.start()
             return [manager.result(rid) for rid in ids]
         finally:
             manager.close()

@@ -46,7 +46,8 @@ from rosecli.engine.stages import Stages
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, eos_token_ids: list[int], max_model_len: int, stages: Optional[Stages] = None,
+    def __init__(self, config: EngineConfig, runner: ModelRunner, eos_token_ids: list[int],
+                 max_model_len: int, stages: Optional[Stages] = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.runner = runner

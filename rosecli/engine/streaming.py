@@ -6,9 +6,9 @@ tokenized and checked by the input processor (`engine/inputs.py`) on the caller'
 ``tokenize_workers`` threads. The worker loop admits new requests, runs one scheduler step, then,
 under one lock acquisition per step, looks up the state of every request that produced a token
 and hands the tokens to the output processor (`engine/outputs.py`: detokenizing, stop strings,
-the per-request queues). Cleanup is driven by the scheduler's finished events. A consumer that stops reading (its
-generator is closed, garbage-collected, or ``abort(request_id)`` is called, say by a server that
-saw its client disconnect) has its request discarded and its KV blocks released by the worker
+the per-request queues). Cleanup is driven by the scheduler's finished events. A consumer that
+stops reading (its generator is closed, garbage-collected, or ``abort(request_id)`` is called,
+say by a server that saw its client disconnect) has its request discarded and its KV blocks released by the worker
 within one step.
 
 Failures. Every request's stream ends with ``END``; a failed request ends the same way with its
@@ -101,6 +101,12 @@ class StreamingManager:
             self._thread.start()
 
     # --- callers' side ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker of a manager made with ``start=False`` (requests added before it are
+        admitted together, as one batch); does nothing once started."""
+        if self._thread.ident is None:
+            self._thread.start()
+
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()

@@ -1,5 +1,8 @@
-"""OpenAI-compatible request and response shapes, and the checks that turn a request into
-engine inputs (token ids + ``SamplingParams``) or a 400 that names the bad parameter.
+"""OpenAI-compatible request and response shapes, and the checks OpenAI's wire format adds
+(field types and names, its ranges, a prompt plus ``max_tokens`` within the context) on the way
+to engine inputs (token ids + ``SamplingParams``) or a 400 that names the bad parameter.
+Tokenizing, the chat template and the engine's own checks of a prompt are the input
+processor's (`rosecli.engine.inputs`).
 
 Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completions,
 ``temperature`` 1.0, ``n`` 1); the extensions vLLM users expect (``top_k``, ``ignore_eos``,

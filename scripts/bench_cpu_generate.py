@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rosecli.engine.config import CPU_WEIGHTS, EngineConfig, SamplingParams  # noqa: E402
 from rosecli.engine.llm import LLMEngine  # noqa: E402
 from rosecli.engine.loader import _smollm2_gguf, cache_root  # noqa: E402
+from rosecli.engine.streaming import StreamingManager  # noqa: E402
 
 PROMPTS = ["What is the capital of France?",
            "Write a short poem about the sea.",
@@ -101,10 +102,12 @@ class Ours:
                                              show_progress=False))
 
     def generate(self, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-        times: list[float] = []
-        seq = self.engine.generate([ids], SamplingParams(max_new_tokens=n, stop_on_eos=False),
-                                   lambda toks: times.append(time.perf_counter()))[0]
-        return list(seq.output_token_ids), times
+        manager = StreamingManager(self.engine, record_timestamps=True)
+        try:
+            out = manager.result(manager.add_request(ids, SamplingParams(max_new_tokens=n, stop_on_eos=False)))
+        finally:
+            manager.close()
+        return out.token_ids, out.timestamps.token_times
 
     def close(self) -> None:
         self.engine.close()
@@ -194,7 +197,7 @@ def main() -> None:
     systems += ours
     print(f"model: {_smollm2_gguf()}  ({time.perf_counter() - t0:.1f} s to load all)  threads: {args.threads}  "
           f"cores: {os.cpu_count()}  torch {torch.__version__}")
-    prompts = [ours[0].engine.apply_chat_template(p) for p in PROMPTS]
+    prompts = [ours[0].engine.inputs.chat(p) for p in PROMPTS]
     for s in systems:
         s.generate(prompts[0], 8)  # warm-up
 

@@ -36,7 +36,7 @@ def build_ours(hf_config, state_dict, device, dtype, batch, graphs, paged):
                           num_gpu_blocks=4096).resolved(device.type)
     runner = ModelRunner(config, model, hf_config.n_positions, device, dtype)
     runner.prepare()
-    return Scheduler(config, runner, None, [], hf_config.n_positions)
+    return Scheduler(config, runner, [], hf_config.n_positions)
 
 
 def run_ours(sched, batch, new_tokens, repeats=3):

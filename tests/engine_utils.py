@@ -38,13 +38,13 @@ def our_model(hf_model):
     return model
 
 
-def tiny_scheduler(hf_model, tokenizer=None, eos=(1,), **config_kw) -> Scheduler:
+def tiny_scheduler(hf_model, eos=(1,), **config_kw) -> Scheduler:
     config_kw.setdefault("device", "cpu")
     config = EngineConfig(**config_kw).resolved("cpu")
     model = our_model(hf_model)
     max_len = hf_model.config.max_position_embeddings
     runner = ModelRunner(config, model, max_len, torch.device("cpu"), torch.float32)
-    return Scheduler(config, runner, tokenizer, list(eos), max_len)
+    return Scheduler(config, runner, list(eos), max_len)
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:

@@ -48,7 +48,7 @@ def _prefill_logits(model, ids):
 def _greedy(model, prompts, n=24):
     config = EngineConfig(device="cpu", block_size=4).resolved("cpu")
     runner = ModelRunner(config, model, 256, torch.device("cpu"), torch.float32)
-    sched = Scheduler(config, runner, None, [1], 256)
+    sched = Scheduler(config, runner, [1], 256)
     return [s.output_token_ids for s in sched.run_to_completion(prompts, SamplingParams(max_new_tokens=n,
                                                                                         stop_on_eos=False))]
 
@@ -161,8 +161,8 @@ def test_auto_reads_4bit_mlp_layers_as_int4_and_the_rest_as_float16():
 def _engine_tokens(tiny_engine_factory, cpu_weights):
     engine = tiny_engine_factory("tiny-llama", cpu_weights=cpu_weights, seed=3)
     prompts = [[5, 6, 7, 8], list(range(20, 45))]
-    seqs = engine.generate(prompts, SamplingParams(max_new_tokens=16, stop_on_eos=False))
-    return engine, [s.output_token_ids for s in seqs], prompts
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=16, stop_on_eos=False))
+    return engine, [out.token_ids for out in outs], prompts
 
 
 def test_cpu_weights_float_is_the_loaded_model_unchanged(tiny_engine_factory):

@@ -25,7 +25,7 @@ def _scheduler(kind: str, graphs: bool, max_batch: int = 24, overlap=None):
                           num_gpu_blocks=512, block_size=16, overlap_schedule=overlap).resolved("cuda")
     runner = ModelRunner(config, model, 256, torch.device("cuda"), torch.float16)
     runner.prepare()
-    return Scheduler(config, runner, None, [1], 256)
+    return Scheduler(config, runner, [1], 256)
 
 
 @pytest.mark.gpu

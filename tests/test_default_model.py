@@ -18,11 +18,11 @@ def engine(cache_dir):
 
 
 def test_answers_capital_of_france(engine):
-    ids = engine.apply_chat_template("What is the capital of France?")
-    seq = engine.generate([ids], SamplingParams(max_new_tokens=32))[0]
-    text = engine.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-    assert "Paris" in text
-    assert seq.finish_reason.value == "stop"  # the instruct model ends its turn with EOS
+    ids = engine.inputs.chat("What is the capital of France?")
+    out = engine.generate([ids], SamplingParams(max_new_tokens=32))[0]
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the instruct model ends its turn with EOS
 
 
 def test_conversion_matches_transformers_gguf_loader(engine, cache_dir):
@@ -37,12 +37,12 @@ def test_conversion_matches_transformers_gguf_loader(engine, cache_dir):
     path = _smollm2_gguf()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    ids = engine.apply_chat_template("Name three colours.")
+    ids = engine.inputs.chat("Name three colours.")
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
-    seq = engine.generate([ids], SamplingParams(max_new_tokens=1))[0]
+    out = engine.generate([ids], SamplingParams(max_new_tokens=1))[0]
     expected = int(ref.argmax())
-    assert seq.output_token_ids[0] == expected
+    assert out.token_ids[0] == expected
     # compare the full last-position logits through our runner's prefill path
     import copy
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rosecli.engine import streaming
+from rosecli.engine import outputs
 from rosecli.engine.config import SamplingParams
 from rosecli.engine.detokenizer import IncrementalDetokenizer
 from rosecli.engine.errors import ConfigError, RequestFailedError
@@ -16,6 +16,7 @@ from rosecli.engine.streaming import EngineDeadError, StreamingManager
 
 GREEDY = dict(stop_on_eos=False)
 POISON = 4242  # a prompt starting with this token id is the one request made to fail
+POISON_STOP = "\x00poison"  # a stop string only the poisoned request has (it never matches)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def _consume(manager, rid, box, i):
 
 def _run_concurrently(manager, prompts, params, timeout=60.0):
     """Submit every prompt, read every stream on its own thread; [(text or error, output)]."""
-    rids = [manager.add_request(p, params) for p in prompts]
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    rids = [manager.add_request(p, sp) for p, sp in zip(prompts, plist)]
     box = [None] * len(rids)
     threads = [threading.Thread(target=_consume, args=(manager, rid, box, i), daemon=True)
                for i, rid in enumerate(rids)]
@@ -115,14 +117,14 @@ def test_generate_longer_than_the_pool_finishes_with_length(cache_dir):
 
 
 def _poison_tokenizer(monkeypatch, engine):
-    encode = engine.scheduler.encode
+    encode = engine.inputs.encode
 
     def failing(prompt):
         if prompt.startswith("poison"):
             raise UnicodeError("the tokenizer choked")
         return encode(prompt)
 
-    monkeypatch.setattr(engine.scheduler, "encode", failing)
+    monkeypatch.setattr(engine.inputs, "encode", failing)
 
 
 def _poison_admission(monkeypatch, engine):
@@ -137,14 +139,14 @@ def _poison_admission(monkeypatch, engine):
 
 
 def _poison_stop_check(monkeypatch, engine):
-    check = engine.scheduler._check_stop
+    find = outputs.find_stop
 
-    def failing(seq, token, length):
-        if seq.token_ids[0] == POISON and seq.num_output_tokens >= 3:
+    def failing(text, stops, start):
+        if POISON_STOP in stops and len(text) >= 3:
             raise IndexError("stop-string check failed")
-        return check(seq, token, length)
+        return find(text, stops, start)
 
-    monkeypatch.setattr(engine.scheduler, "_check_stop", failing)
+    monkeypatch.setattr(outputs, "find_stop", failing)
 
 
 def _poison_detokenizer(monkeypatch, engine):
@@ -162,18 +164,20 @@ def _poison_detokenizer(monkeypatch, engine):
                 raise KeyError(token_id)
             return super().push(token_id)
 
-    monkeypatch.setattr(streaming, "IncrementalDetokenizer", Failing)
+    monkeypatch.setattr(outputs, "IncrementalDetokenizer", Failing)
 
 
 @pytest.mark.parametrize("poison", [_poison_tokenizer, _poison_admission, _poison_stop_check, _poison_detokenizer],
                          ids=["tokenize", "admit", "stop-check", "detokenize"])
 def test_a_failure_in_one_request_fails_it_alone(engine, monkeypatch, poison):
     poison(monkeypatch, engine)
-    bad = "poison pill" if poison is _poison_tokenizer else [POISON, 5, 6]
+    bad = "poison pill" if poison is _poison_tokenizer else [POISON, 5, 600]  # 600 has text: it is echoed
     prompts = [[5, 6, 7], "some text", bad, [8, 9], [10, 11, 12, 13]]
     manager = StreamingManager(engine)
     try:
-        results = _run_concurrently(manager, prompts, SamplingParams(max_new_tokens=8, stop=["never"], **GREEDY))
+        params = [SamplingParams(max_new_tokens=8, stop=["never"] + ([POISON_STOP] if i == 2 else []), **GREEDY)
+                  for i in range(len(prompts))]
+        results = _run_concurrently(manager, prompts, params)
         error, out = results[2]
         assert isinstance(error, RequestFailedError) and "internal error" in str(error)
         assert out.finish_reason == "error"

@@ -6,6 +6,7 @@ import torch
 from engine_utils import VOCAB, hf_greedy, tiny_hf_model, tiny_scheduler
 from rosecli.engine.config import SamplingParams
 from rosecli.engine.errors import RequestError
+from rosecli.engine.inputs import InputProcessor
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +116,22 @@ def test_stops_at_model_context(hf, overlap):
     assert len(seq.token_ids) == 256 and seq.finish_reason.value == "length"
 
 
+def _inputs(sched) -> InputProcessor:
+    """The input processor an engine puts in front of this scheduler (token ids only: no tokenizer)."""
+    return InputProcessor(None, sched.max_model_len, VOCAB, sched.block_manager)
+
+
 def test_bad_requests_are_refused_clearly(hf, overlap):
     sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4)
+    inputs = _inputs(sched)
     with pytest.raises(RequestError, match="empty"):
-        sched.add_request([], SamplingParams())
+        inputs.process([], SamplingParams())
     with pytest.raises(RequestError, match="context is 256"):
-        sched.add_request(list(range(2, 300)), SamplingParams())
-    assert not sched.has_unfinished()
+        inputs.process(list(range(2, 300)), SamplingParams())
+    with pytest.raises(RequestError, match="token id 256 is outside the vocabulary") as e:
+        inputs.check_token_ids([5, VOCAB], "stop_token_ids")
+    assert e.value.param == "stop_token_ids"
+    assert inputs.process(list(range(2, 255)), SamplingParams()) == list(range(2, 255))  # the longest that fits
 
 
 def test_discard_releases_blocks_at_once(hf, overlap):
@@ -137,15 +147,19 @@ def test_discard_releases_blocks_at_once(hf, overlap):
 
 def test_prompt_that_can_never_fit_the_pool_is_refused(hf, overlap):
     sched = tiny_scheduler(hf, overlap_schedule=overlap, block_size=4, num_gpu_blocks=3)
+    inputs = _inputs(sched)
     with pytest.raises(RequestError, match="needs 4 KV blocks of 4 tokens.*has 3 blocks"):
-        sched.add_request(_prompts((12,), 12)[0], SamplingParams())
+        inputs.process(_prompts((12,), 12)[0], SamplingParams())
     with pytest.raises(RequestError, match="outside the vocabulary"):
-        sched.add_request([5, VOCAB], SamplingParams())
+        inputs.process([5, VOCAB], SamplingParams())
     with pytest.raises(RequestError, match="outside the vocabulary"):
-        sched.add_request([-1, 5], SamplingParams())
+        inputs.process([-1, 5], SamplingParams())
     with pytest.raises(RequestError, match="integers"):
-        sched.add_request([5, 6.0], SamplingParams())
-    assert not sched.has_unfinished()
+        inputs.process([5, 6.0], SamplingParams())
+    # the longest prompt that fits runs to the end of the pool
+    seq = sched.run_to_completion([inputs.process(_prompts((11,), 12)[0])],
+                                  SamplingParams(max_new_tokens=5, stop_on_eos=False))[0]
+    assert seq.finish_reason.value == "length" and sched.block_manager.num_used_blocks == 0
 
 
 def _run_bounded(sched, prompts, params, max_steps=200):

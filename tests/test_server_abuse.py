@@ -179,7 +179,7 @@ def test_unexpected_exceptions_are_a_generic_500_logged_once(live, http, caplog,
     def broken(prompt):
         raise RuntimeError("secret internal detail /home/user/model.bin")
 
-    monkeypatch.setattr(live.engine.scheduler, "encode", broken)
+    monkeypatch.setattr(live.engine.inputs, "encode", broken)
     with caplog.at_level(logging.ERROR):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
     err = assert_error(r, 500, code="internal_error")
@@ -247,8 +247,8 @@ def test_headers_that_stop_arriving_are_408(live, http):
 def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http, monkeypatch):
     server = live.app.state.rose
     calls = []
-    real = live.engine.scheduler.encode
-    monkeypatch.setattr(live.engine.scheduler, "encode", lambda text: calls.append(len(text)) or real(text))
+    real = live.engine.inputs.encode
+    monkeypatch.setattr(live.engine.inputs, "encode", lambda text: calls.append(len(text)) or real(text))
     real_chat = live.engine.tokenizer.apply_chat_template
     monkeypatch.setattr(live.engine.tokenizer, "apply_chat_template",
                         lambda messages, **kw: calls.append("chat") or real_chat(messages, **kw))
@@ -274,7 +274,7 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http,
 
 
 def test_one_slow_prompt_does_not_hold_the_others(live, http, monkeypatch):
-    real = live.engine.scheduler.encode
+    real = live.engine.inputs.encode
     release = threading.Event()
 
     def encode(text):
@@ -282,7 +282,7 @@ def test_one_slow_prompt_does_not_hold_the_others(live, http, monkeypatch):
             release.wait(10)
         return real(text)
 
-    monkeypatch.setattr(live.engine.scheduler, "encode", encode)
+    monkeypatch.setattr(live.engine.inputs, "encode", encode)
     with ThreadPoolExecutor(2) as pool:
         slow = pool.submit(http.post, "/v1/completions", json={"model": MODEL, "prompt": "SLOW prompt",
                                                                "max_tokens": 2})

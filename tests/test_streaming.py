@@ -19,8 +19,7 @@ def engine(tiny_engine_factory, request):
 
 
 def _alone(engine, prompt_ids, n):
-    seq = engine.generate([prompt_ids], SamplingParams(max_new_tokens=n, **GREEDY))[0]
-    return seq.output_token_ids
+    return engine.generate([prompt_ids], SamplingParams(max_new_tokens=n, **GREEDY))[0].token_ids
 
 
 def _text(engine, ids):

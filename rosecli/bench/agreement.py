@@ -70,9 +70,8 @@ def prefill_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16)
 
 def greedy_outputs(engine, prompts: list[str], n: int = GREEDY_TOKENS) -> list[list[int]]:
     """Greedy token ids of each chat prompt, all prompts in one batch."""
-    ids = [engine.apply_chat_template(p) for p in prompts]
-    seqs = engine.generate(ids, SamplingParams(max_new_tokens=n))
-    return [list(s.output_token_ids) for s in seqs]
+    ids = [engine.inputs.chat(p) for p in prompts]
+    return [out.token_ids for out in engine.generate(ids, SamplingParams(max_new_tokens=n))]
 
 
 @dataclass

@@ -138,9 +138,10 @@ class SchedRun:
 
 
 def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
-              progress: Optional[Progress] = None) -> SchedRun:
+              progress: Optional[Progress] = None, *, inputs) -> SchedRun:
     """Offline: every request is added, then steps run to completion. Online: the same, but
-    each request's submit, first token and finish (by finished event) are timestamped."""
+    each request's submit, first token and finish (by finished event) are timestamped. Prompts
+    are tokenized and checked by ``inputs`` (the engine's input processor) as they are added."""
     n = len(workload.prompts)
     per_params = [dataclasses.replace(params, max_new_tokens=m) for m in workload.max_new_tokens]
     online = mode == "online"
@@ -150,7 +151,7 @@ def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
     for i, (prompt, p) in enumerate(zip(workload.prompts, per_params)):
         t = time.perf_counter()
         try:
-            rid = scheduler.add_request(prompt, p)
+            rid = scheduler.add_request(inputs.process(prompt, p), p)
         except RoseError as e:  # a request the engine refuses (too long ...) is reported, not a crash
             failures.append(_failure(i, e))
             continue

@@ -74,7 +74,7 @@ def bench_sched(engine, spec: WorkloadSpec, params: SamplingParams, mode: str, w
     for label, warmup in _labels(warmups, repeats):
         engine.scheduler.reset_prefix_cache()
         table.start_run(label, warmup)
-        run = run_sched(engine.scheduler, workload, params, mode, table.update)
+        run = run_sched(engine.scheduler, workload, params, mode, table.update, inputs=engine.inputs)
         m = metrics.summarize_sched_run(run)
         table.finish_run(m)
         runs.append({"label": label, "warmup": warmup, "figures": metrics.sched_figures(m),

@@ -29,8 +29,8 @@ def generate(
     *, config: EngineConfig, params: SamplingParams,
 ) -> None:
     """Generate text; one prompt streams token by token to stdout, a one-line summary goes to stderr."""
-    from rosecli.engine.detokenizer import IncrementalDetokenizer
     from rosecli.engine.llm import LLMEngine
+    from rosecli.engine.streaming import StreamingManager
 
     t_start = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -42,54 +42,48 @@ def generate(
         engine = LLMEngine(config, progress=progress)
     try:
         use_chat = engine.loaded.is_instruct if chat is None else chat
-        if use_chat and engine.tokenizer.chat_template is None:
+        if use_chat and not engine.inputs.has_chat_template:
             o.fail(f"--chat was given but {engine.model_name} has no chat template: use --no-chat")
-        inputs = [engine.apply_chat_template(p) if use_chat else p for p in prompts]
-        single = len(prompts) == 1
-        # With stop strings, hold back text that could be the start of one until it is decided.
-        holdback = max((len(x) for x in params.stop), default=1) - 1
-        detoks: dict[int, IncrementalDetokenizer] = {}
-        texts: dict[int, str] = {}
-        shown = [0]
-        t_first: list[float] = []
-        out = sys.stdout
-
-        def on_tokens(tokens: dict[int, int]) -> None:
-            if not t_first:
-                t_first.append(time.perf_counter())
-            for rid, tok in tokens.items():
-                detok = detoks.get(rid)
-                if detok is None:
-                    detok = detoks[rid] = IncrementalDetokenizer(engine.tokenizer)
-                    texts[rid] = ""
-                texts[rid] += detok.push(tok)
-                if single and len(texts[rid]) - holdback > shown[0]:
-                    out.write(texts[rid][shown[0]:len(texts[rid]) - holdback])
+        inputs = [engine.inputs.chat(p) if use_chat else p for p in prompts]
+        manager = StreamingManager(engine, start=False)
+        try:
+            ids = [manager.add_request(x, params) for x in inputs]
+            manager.start()  # every prompt is admitted in the first step: one batch
+            out = sys.stdout
+            if len(prompts) == 1:
+                stream = manager.stream(ids[0])
+                for piece in stream:
+                    out.write(piece)
                     out.flush()
-                    shown[0] = len(texts[rid]) - holdback
-
-        t_submit = time.perf_counter()
-        seqs = engine.generate(inputs, params, on_tokens)
-        t_end = time.perf_counter()
-        final = {s.request_id: s.final_text if s.final_text is not None
-                 else texts.get(s.request_id, "") + (detoks[s.request_id].flush() if s.request_id in detoks else "")
-                 for s in seqs}
-        if single:
-            out.write(final[seqs[0].request_id][shown[0]:] + "\n")
-        else:
-            for i, seq in enumerate(seqs):
-                out.write(f"=== [{i}] {prompts[i]}\n{final[seq.request_id]}\n")
-        out.flush()
-        n_prompt = sum(s.num_prompt_tokens for s in seqs)
-        n_gen = sum(s.num_output_tokens for s in seqs)
-        ttft = (t_first[0] - t_submit) if t_first else float("nan")
-        decode_tokens = n_gen - len(seqs)
-        decode_s = t_end - t_first[0] if t_first else 0.0
-        tps = decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else float("nan")
-        reasons = ",".join(sorted({s.finish_reason.value for s in seqs if s.finish_reason}))
-        err.print(f"[dim]{engine.model_name} on {engine.device.type}: prompt tokens {n_prompt}, generated "
-                  f"tokens {n_gen}, TTFT {ttft * 1e3:.1f} ms, decode {tps:.1f} tok/s, finish {reasons}, "
-                  f"start to first token {(t_first[0] - t_start) if t_first else float('nan'):.2f} s[/dim]",
+                out.write("\n")
+                outputs = [stream.output]
+            else:
+                outputs = [manager.result(rid) for rid in ids]
+                for i, r in enumerate(outputs):
+                    out.write(f"=== [{i}] {prompts[i]}\n{r.text}\n")
+            out.flush()
+        finally:
+            manager.close()
+        err.print(f"[dim]{engine.model_name} on {engine.device.type}: {summary(outputs, t_start)}[/dim]",
                   highlight=False)
     finally:
         engine.close()
+
+
+def summary(outputs, t_start: float) -> str:
+    """Counts, TTFT (submit to first token), decode tok/s (tokens after each request's first, over
+    first token to last finish), finish reasons and start-up to first token."""
+    nan = float("nan")
+    firsts = [r.timestamps.first_token for r in outputs if r.timestamps.first_token is not None]
+    first = min(firsts, default=None)
+    submit = min(r.timestamps.submit for r in outputs)
+    end = max((r.timestamps.finish for r in outputs if r.timestamps.finish is not None), default=None)
+    n_prompt = sum(r.prompt_tokens for r in outputs)
+    n_gen = sum(r.output_tokens for r in outputs)
+    decode_tokens = n_gen - len(firsts)
+    decode_s = end - first if first is not None and end is not None else 0.0
+    tps = decode_tokens / decode_s if decode_s > 0 and decode_tokens > 0 else nan
+    reasons = ",".join(sorted({r.finish_reason for r in outputs if r.finish_reason}))
+    ttft = first - submit if first is not None else nan
+    return (f"prompt tokens {n_prompt}, generated tokens {n_gen}, TTFT {ttft * 1e3:.1f} ms, decode {tps:.1f} "
+            f"tok/s, finish {reasons}, start to first token {(first - t_start) if first is not None else nan:.2f} s")

@@ -14,7 +14,13 @@ class ModelLoadError(RoseError):
 
 
 class RequestError(RoseError, ValueError):
-    """A single request is invalid (too long, bad parameters); the engine keeps running."""
+    """A single request is invalid (too long, bad parameters); the engine keeps running. ``param``
+    names the input it is about ("prompt", "messages", "stop_token_ids"), for callers (the HTTP
+    server) that point at a field."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 class OverloadedError(RoseError):

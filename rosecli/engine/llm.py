@@ -1,22 +1,27 @@
-"""The engine: resolves device and dtype, loads the model, builds runner and scheduler.
+"""The engine: resolves device and dtype, loads the model, builds runner, scheduler and input
+processor.
 
-Every command drives this one object (directly or through the streaming manager).
+Every command drives this one object through the streaming manager (``bench sched`` drives its
+scheduler directly).
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from rosecli.engine.config import EngineConfig, SamplingParams, default_threads
 from rosecli.engine.errors import ConfigError
+from rosecli.engine.inputs import InputProcessor
 from rosecli.engine.runner import ModelRunner
 from rosecli.engine.scheduler import Scheduler
-from rosecli.engine.sequence import Sequence
 from rosecli.engine.stages import Stages
+
+if TYPE_CHECKING:
+    from rosecli.engine.outputs import RequestOutput
 
 Progress = Callable[[str, int, int], None]
 
@@ -69,24 +74,33 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
                                   self.stages, log)
         self.startup_times.update(self.runner.prepare(progress))
-        self.scheduler = Scheduler(config, self.runner, self.tokenizer, self.loaded.eos_token_ids,
-                                   self.max_model_len, self.stages)
+        self.scheduler = Scheduler(config, self.runner, self.loaded.eos_token_ids, self.max_model_len, self.stages)
+        vocab_size = getattr(self.loaded.model, "vocab_size", None) or len(self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, vocab_size, self.scheduler.block_manager)
 
     @property
     def model_name(self) -> str:
         return self.loaded.name
 
-    def apply_chat_template(self, prompt: str) -> list[int]:
-        messages = [{"role": "user", "content": prompt}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
     def generate(self, prompts: list[Union[str, list[int]]],
-                 params: Union[SamplingParams, list[SamplingParams], None] = None,
-                 on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> list[Sequence]:
-        return self.scheduler.run_to_completion(prompts, params, on_tokens)
+                 params: Union[SamplingParams, list[SamplingParams], None] = None) -> list["RequestOutput"]:
+        """Offline: run the prompts (text or token ids) as one batch through the streaming manager;
+        their outputs in order (text, output token ids, finish reason). A refused prompt raises."""
+        from rosecli.engine.streaming import StreamingManager
+
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        manager = StreamingManager(self, start=False)
+        room = self.config.max_inflight_requests or len(prompts)
+        try:
+            ids = []
+            for i, (p, sp) in enumerate(zip(prompts, plist)):
+                if i == room:  # the rest waits for room: the worker must run
+                    manager.start()
+                ids.append(manager.add_request(p, sp))
+            manager.start()
+            return [manager.result(rid) for rid in ids]
+        finally:
+            manager.close()
 
     def close(self) -> None:
         self.runner.close()

@@ -22,8 +22,13 @@ Overlap (``--overlap-schedule``, on by default on CUDA): while decode step N run
 and read from step N's output on the device), and only then reads step N's tokens, checks
 stops and returns them. So ``step()`` returns the tokens of the decode step launched by the
 call before it. A sequence whose length limit ends it at step N is left out of step N+1; one
-that stops on EOS or a stop string at step N has its step-N+1 token dropped. Prefill steps and
-preemption never overlap: the step in flight is read first.
+that stops on EOS at step N has its step-N+1 token dropped; so does one that the output processor
+finishes (``finish_request``) on a stop string it found in step N's text, before the next ``step()``.
+Prefill steps and preemption never overlap: the step in flight is read first.
+
+The scheduler holds token and block state only: prompts arrive as checked token ids
+(`rosecli.engine.inputs`), and text, stop strings and finish text are the output processor's
+(`rosecli.engine.outputs`).
 """
 
 from __future__ import annotations
@@ -41,12 +46,11 @@ from rosecli.engine.stages import Stages
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+    def __init__(self, config: EngineConfig, runner: ModelRunner, eos_token_ids: list[int],
                  max_model_len: int, stages: Optional[Stages] = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.runner = runner
-        self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.stages = stages or runner.stages
@@ -54,7 +58,6 @@ class Scheduler:
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_cache)
         # a sequence stops at the model's context or at what the whole KV pool holds, whichever is less
         self.max_seq_len = min(max_model_len, runner.num_blocks * config.block_size)
-        self.vocab_size: Optional[int] = getattr(runner.model, "vocab_size", None)
         self.max_active = config.max_active_requests or config.max_batch_size
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
@@ -72,34 +75,10 @@ class Scheduler:
         self.finish_counts: dict[str, int] = {}
 
     # --- requests ---------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
-
-    def validate(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise RequestError("the prompt is empty: give at least one token of text")
-        if len(token_ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(token_ids)} tokens but the model's context is "
-                               f"{self.max_model_len}: shorten the prompt (at least one token must be left "
-                               "to generate)")
-        bm = self.block_manager
-        if bm.blocks_needed(len(token_ids) + 1) > bm.num_blocks:
-            raise RequestError(f"the prompt has {len(token_ids)} tokens; with one token to generate it needs "
-                               f"{bm.blocks_needed(len(token_ids) + 1)} KV blocks of {bm.block_size} tokens, but "
-                               f"the whole KV cache has {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} "
-                               "tokens): shorten the prompt or raise --num-gpu-blocks")
-        if not all(type(t) is int for t in token_ids):
-            bad = next(t for t in token_ids if type(t) is not int)
-            raise RequestError(f"prompt token ids must be integers, got {bad!r}")
-        lo, hi = min(token_ids), max(token_ids)
-        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
-            raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
-                               f"[0, {self.vocab_size})")
-
-    def add_request(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+    def add_request(self, token_ids: list[int], params: Optional[SamplingParams] = None,
                     request_id: Optional[int] = None) -> int:
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(token_ids)
+        """Queue a request of checked token ids (`InputProcessor.process`: the scheduler trusts them)."""
+        token_ids = list(token_ids)
         params = params or SamplingParams()
         if request_id is None:
             request_id = self._next_id
@@ -110,9 +89,6 @@ class Scheduler:
             self._next_id = max(self._next_id, request_id + 1)
         seq = Sequence(request_id, token_ids, params, self._arrivals)
         self._arrivals += 1
-        if params.stop:
-            from rosecli.engine.detokenizer import IncrementalDetokenizer
-            seq.detokenizer = [IncrementalDetokenizer(self.tokenizer, token_ids), ""]
         self.runner.add_request(seq)  # last: nothing else can fail and leave it half added
         self.seqs[request_id] = seq
         self.waiting.append(seq)
@@ -133,23 +109,27 @@ class Scheduler:
     def get(self, request_id: int) -> Optional[Sequence]:
         return self.seqs.get(request_id)
 
-    def pop_response(self, request_id: int) -> str:
-        """The finished request's output text (cut before a stop string); forgets the request."""
-        seq = self.seqs.pop(request_id)
-        if seq.final_text is not None:
-            return seq.final_text
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    def pop_request(self, request_id: int) -> Optional[Sequence]:
+        """Forget a finished request; returns its sequence (None when unknown)."""
+        return self.seqs.pop(request_id, None)
 
-    def discard_request(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
-        """Drop a request (its caller went away, or ``reason`` ERROR: handling it failed): its
-        blocks are released at once. A finished request is only forgotten."""
+    def finish_request(self, request_id: int, reason: FinishReason) -> Optional[Sequence]:
+        """End a request now and forget it (a stop string found in its text, its caller went away,
+        handling it failed); its blocks are released at once and a token of it in a step in flight
+        is dropped, as when it stops on EOS. It is not announced by ``pop_finished_ids``. A finished
+        request is only forgotten. Returns its sequence (None when unknown)."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
-            return
+            return None
         if not seq.is_finished:
             self._finish(seq, reason, announce=False)
         if not self.running:  # a step in flight now holds only finished sequences
             self._inflight = None
+        return seq
+
+    def discard_request(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Drop a request whose caller went away (or, with ``reason`` ERROR, whose handling failed)."""
+        self.finish_request(request_id, reason)
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
@@ -343,11 +323,7 @@ class Scheduler:
         if seq.first_token_at is None:
             seq.first_token_at = now
         out[seq.request_id] = token
-        try:
-            reason = self._check_stop(seq, token, length)
-        except Exception as e:  # this request's stop check failed (its stop-string detokenizer): end it alone
-            seq.error = e
-            reason = FinishReason.ERROR
+        reason = self._check_stop(seq, token, length)
         if reason is not None:
             seq.finished_at = now
             self._finish(seq, reason)
@@ -358,16 +334,6 @@ class Scheduler:
             return FinishReason.STOP
         if token in p.stop_token_ids:
             return FinishReason.STOP
-        if seq.detokenizer is not None:
-            state = seq.detokenizer
-            state[1] += state[0].push(token)
-            text = state[1]
-            window = max(len(s) for s in p.stop) + 16
-            hits = [i for i in (text.find(s, max(0, len(text) - window)) for s in p.stop) if i >= 0]
-            if hits:
-                seq.final_text = text[:min(hits)]
-                seq.stop_text = text[min(hits):]
-                return FinishReason.STOP
         if self._length_reached(seq, length):
             return FinishReason.LENGTH
         return None
@@ -376,12 +342,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         while seq.token_ids and seq.token_ids[-1] == PENDING:  # its step in flight is dropped
             seq.token_ids.pop()
-        if seq.detokenizer is not None and seq.final_text is None and reason is not FinishReason.ERROR:
-            try:
-                seq.final_text = seq.detokenizer[1] + seq.detokenizer[0].flush()
-            except Exception as e:  # as in _accept: this request fails, its blocks are still freed
-                seq.error, reason = e, FinishReason.ERROR
-        seq.detokenizer = None
         seq.finish_reason = reason
         self.block_manager.free(seq)
         self.runner.release(seq)
@@ -399,10 +359,11 @@ class Scheduler:
             self._finished_ids.append(seq.request_id)
 
     # --- offline ----------------------------------------------------------------------------
-    def run_to_completion(self, prompts: list[Union[str, list[int]]],
+    def run_to_completion(self, prompts: list[list[int]],
                           params: Union[SamplingParams, list[SamplingParams], None] = None,
                           on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> list[Sequence]:
-        """Offline path: run a list of requests to completion; returns their finished sequences."""
+        """Run requests of checked token ids to completion; returns their finished sequences
+        (token ids only: text is the output processor's, see `LLMEngine.generate`)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         seqs = [self.seqs[i] for i in ids]

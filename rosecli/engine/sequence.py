@@ -35,9 +35,8 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
-                 "status", "finish_reason", "arrival_index", "stop_text", "num_preemptions",
-                 "detokenizer", "final_text", "admitted_at", "first_token_at", "finished_at",
-                 "table_version", "launch_no", "launch_row", "error")
+                 "status", "finish_reason", "arrival_index", "num_preemptions",
+                 "admitted_at", "first_token_at", "finished_at", "table_version", "launch_no", "launch_row")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -56,14 +55,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.arrival_index = arrival_index
-        self.stop_text: Optional[str] = None
         self.num_preemptions = 0
-        self.detokenizer = None  # only for requests with stop strings
-        self.final_text: Optional[str] = None  # output text cut before a stop string
         self.admitted_at: Optional[float] = None
         self.first_token_at: Optional[float] = None
         self.finished_at: Optional[float] = None
-        self.error: Optional[BaseException] = None  # why it finished with FinishReason.ERROR
 
     def __len__(self) -> int:
         return len(self.token_ids)

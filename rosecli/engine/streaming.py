@@ -1,13 +1,14 @@
 """The streaming manager: one worker thread owns the scheduler; callers stream text.
 
-``add_request`` is safe from any thread and returns at once (the prompt is tokenized on the
-caller's thread, or by ``tokenize_workers`` threads). The worker loop admits new requests,
-runs one scheduler step, then, under one lock acquisition per step, looks up the state of
-every request that produced a token, and fans the tokens out through per-request incremental
-detokenizers to per-request queues (flushing every ``stream_interval`` tokens and at finish).
-Cleanup is driven by the scheduler's finished events. A consumer that stops reading (its
-generator is closed, garbage-collected, or ``abort(request_id)`` is called, say by a server that
-saw its client disconnect) has its request discarded and its KV blocks released by the worker
+Every caller (``rose generate``, the HTTP server, the benchmarks, ``LLMEngine.generate``) goes
+through this manager. ``add_request`` is safe from any thread and returns at once: the prompt is
+tokenized and checked by the input processor (`engine/inputs.py`) on the caller's thread, or by
+``tokenize_workers`` threads. The worker loop admits new requests, runs one scheduler step, then,
+under one lock acquisition per step, looks up the state of every request that produced a token
+and hands the tokens to the output processor (`engine/outputs.py`: detokenizing, stop strings,
+the per-request queues). Cleanup is driven by the scheduler's finished events. A consumer that
+stops reading (its generator is closed, garbage-collected, or ``abort(request_id)`` is called,
+say by a server that saw its client disconnect) has its request discarded and its KV blocks released by the worker
 within one step.
 
 Failures. Every request's stream ends with ``END``; a failed request ends the same way with its
@@ -29,13 +30,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Iterator, Optional, Union
 
 from rosecli.engine.config import SamplingParams
-from rosecli.engine.detokenizer import IncrementalDetokenizer
-from rosecli.engine.errors import OverloadedError, RequestError, RequestFailedError, RoseError
-from rosecli.engine.sequence import FinishReason
+from rosecli.engine.errors import OverloadedError, RequestError, RoseError
+from rosecli.engine.outputs import END, OutputProcessor, RequestOutput, RequestState
+
+__all__ = ["END", "EngineDeadError", "RequestOutput", "RequestStream", "StreamingManager"]
 
 log = logging.getLogger(__name__)
 
@@ -44,81 +45,10 @@ class EngineDeadError(RoseError):
     """The engine worker stopped on an error; no request can be served."""
 
 
-@dataclass
-class RequestTimestamps:
-    """``time.perf_counter()`` seconds; None when the stage did not happen (or was not recorded)."""
-
-    submit: float = 0.0
-    tokenized: Optional[float] = None
-    admitted: Optional[float] = None
-    first_token: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)  # each token, when the worker fanned it out
-    flush_times: list[float] = field(default_factory=list)  # each text chunk put on the queue
-    flush_tokens: list[int] = field(default_factory=list)  # tokens in each flushed chunk
-    finish: Optional[float] = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    text: str
-    prompt_tokens: int
-    output_tokens: int
-    finish_reason: Optional[str]
-    timestamps: RequestTimestamps
-    cached_tokens: int = 0
-
-
-class _End:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "END"
-
-
-END = _END = _End()  # the last item of every request's stream
-
-
-class _Request:
-    __slots__ = ("rid", "params", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
-                 "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
-                 "abandoned", "cached_tokens", "error")
-
-    def __init__(self, rid: int, params: SamplingParams, submit: float, sink: Optional[queue.SimpleQueue]):
-        self.rid = rid
-        self.params = params
-        self.sink = sink
-        self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
-        self.detok: Optional[IncrementalDetokenizer] = None
-        # The text is kept as pieces already put on the queue plus the text not yet put, so that a
-        # token costs no copy of all the text before it; ``text`` joins them when asked.
-        self.parts: list[str] = []
-        self.unsent = ""
-        self.final_text: Optional[str] = None  # the whole text, once finished
-        self.sent = 0  # characters of text already put on the queue
-        self.pending_tokens = 0
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
-        self.prompt_tokens = 0
-        self.output_tokens = 0
-        self.finish_reason: Optional[str] = None
-        self.ts = RequestTimestamps(submit=submit)
-        self.done = threading.Event()
-        self.abandoned = False
-        self.cached_tokens = 0
-        self.error: Optional[BaseException] = None
-
-    @property
-    def text(self) -> str:
-        """Detokenized so far (the whole output once finished)."""
-        if self.final_text is not None:
-            return self.final_text
-        return "".join(self.parts) + self.unsent
-
-
 class RequestStream:
     """Iterates one request's text pieces; ``output`` is set once the stream has ended."""
 
-    def __init__(self, manager: "StreamingManager", req: _Request):
+    def __init__(self, manager: "StreamingManager", req: RequestState):
         self.manager = manager
         self.req = req
         self.request_id = req.rid
@@ -130,10 +60,9 @@ class RequestStream:
         try:
             while True:
                 item = req.queue.get()
-                if item is _END:
+                if item is END:
                     finished = True
-                    self.output = RequestOutput(req.rid, req.text, req.prompt_tokens, req.output_tokens,
-                                                req.finish_reason, req.ts, req.cached_tokens)
+                    self.output = req.output()
                     if req.error is not None:
                         raise req.error
                     return
@@ -141,15 +70,14 @@ class RequestStream:
         finally:
             if not finished:
                 self.manager.abort(req.rid)
-            with self.manager._lock:
-                self.manager._requests.pop(req.rid, None)
+            self.manager.forget(req.rid)
 
 
 class StreamingManager:
     def __init__(self, engine, record_timestamps: bool = False, start: bool = True):
         self.engine = engine
         self.scheduler = engine.scheduler
-        self.tokenizer = engine.tokenizer
+        self.inputs = engine.inputs
         cfg = engine.config
         self.stream_interval = cfg.stream_interval
         self.max_inflight = cfg.max_inflight_requests
@@ -157,7 +85,9 @@ class StreamingManager:
         self.stages = engine.stages
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestState] = {}
+        self.outputs = OutputProcessor(engine.tokenizer, self.scheduler, self.stages, self.stream_interval,
+                                       record_timestamps, on_end=lambda req: self._release_slot())
         self._inbox: deque = deque()  # ("add", rid, ids, params) | ("discard", rid, request) | ("call", fn, ...)
         self._ids = itertools.count()
         self._inflight = 0
@@ -171,6 +101,12 @@ class StreamingManager:
             self._thread.start()
 
     # --- callers' side ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker of a manager made with ``start=False`` (requests added before it are
+        admitted together, as one batch); does nothing once started."""
+        if self._thread.ident is None:
+            self._thread.start()
+
     @property
     def is_alive(self) -> bool:
         return self.error is None and self._thread.is_alive()
@@ -200,15 +136,11 @@ class StreamingManager:
             raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
         params = params or SamplingParams()
         token_ids = None
-        if not isinstance(prompt, str):
-            token_ids = list(prompt)
-            self.scheduler.validate(token_ids)
-        elif self._tokenizer_pool is None:
-            token_ids = self.scheduler.encode(prompt)
-            self.scheduler.validate(token_ids)
+        if not isinstance(prompt, str) or self._tokenizer_pool is None:
+            token_ids = self.inputs.process(prompt, params)
         self._acquire_slot(wait, timeout)
         rid = next(self._ids)
-        req = _Request(rid, params, submit, sink)
+        req = RequestState(rid, params, submit, sink)
         with self._lock:  # the worker's death fails every request registered before it, under this lock
             dead = self.error is not None or self._stop
             if not dead:
@@ -242,19 +174,18 @@ class StreamingManager:
             self._inflight -= 1
             self._room.notify()
 
-    def _tokenize(self, req: _Request, prompt: str) -> None:
+    def _tokenize(self, req: RequestState, prompt: str) -> None:
         try:
-            token_ids = self.scheduler.encode(prompt)
-            self.scheduler.validate(token_ids)
+            token_ids = self.inputs.process(prompt, req.params)
         except RequestError as e:
-            self._fail(req, e)
+            self.outputs.fail(req, e)
             return
         except Exception as e:  # the tokenizer failed on this prompt: nobody else is hurt
-            self._request_failed(req, e, in_scheduler=False)
+            self.outputs.request_failed(req, e, in_scheduler=False)
             return
         self._enqueue(req, token_ids)
 
-    def _enqueue(self, req: _Request, token_ids: list[int]) -> None:
+    def _enqueue(self, req: RequestState, token_ids: list[int]) -> None:
         req.prompt_tokens = len(token_ids)
         if self.record_timestamps:
             req.ts.tokenized = time.perf_counter()
@@ -285,8 +216,12 @@ class StreamingManager:
             req = self._requests.pop(rid)
         if req.error is not None:
             raise req.error
-        return RequestOutput(req.rid, req.text, req.prompt_tokens, req.output_tokens, req.finish_reason, req.ts,
-                             req.cached_tokens)
+        return req.output()
+
+    def forget(self, rid: int) -> None:
+        """Drop the manager's record of request ``rid`` once its caller is done with its stream."""
+        with self._lock:
+            self._requests.pop(rid, None)
 
     def call_on_worker(self, fn, timeout: Optional[float] = None):
         """Run ``fn()`` on the engine's worker thread between steps and return its result (the torch
@@ -358,7 +293,7 @@ class StreamingManager:
         with self._lock:
             pending = [r for r in self._requests.values() if not r.done.is_set()]
         for req in pending:
-            self._fail(req, EngineDeadError("the engine was shut down before this request finished"))
+            self.outputs.fail(req, EngineDeadError("the engine was shut down before this request finished"))
 
     # --- worker -----------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -381,7 +316,7 @@ class StreamingManager:
                 self.error = e
                 pending = [r for r in self._requests.values() if not r.done.is_set()]
             for req in pending:
-                self._fail(req, EngineDeadError(f"the engine stopped on an error: {type(e).__name__}: {e}"))
+                self.outputs.fail(req, EngineDeadError(f"the engine stopped on an error: {type(e).__name__}: {e}"))
 
     def _admit(self, item) -> None:
         if item[0] == "call":
@@ -399,7 +334,7 @@ class StreamingManager:
                 self._requests.pop(rid, None)
             if not req.done.is_set():
                 req.finish_reason = "abort"
-                self._close(req)
+                self.outputs.close(req)
             return
         _, rid, token_ids, params = item
         with self._lock:
@@ -408,117 +343,15 @@ class StreamingManager:
             return
         try:
             self.scheduler.add_request(token_ids, params, request_id=rid)
-            req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+            self.outputs.start(req, token_ids)
         except RequestError as e:  # refused before the scheduler took it
-            self._fail(req, e)
+            self.outputs.fail(req, e)
         except Exception as e:  # building this request's state failed: it alone fails
-            self._request_failed(req, e)
+            self.outputs.request_failed(req, e)
 
     def _step(self) -> None:
-        stages = self.stages
         tokens = self.scheduler.step()
         finished = self.scheduler.pop_finished_ids()
         if not tokens and not finished:
             return
-        now = time.perf_counter()
-        with stages.range("detokenize_fanout", len(tokens)):
-            with self._lock:  # one acquisition per step
-                records = [(self._requests.get(rid), tok) for rid, tok in tokens.items()]
-                done = [self._requests.get(rid) for rid in finished]
-            interval = self.stream_interval
-            record = self.record_timestamps
-            finishing = set(finished) if finished else ()
-            failed = None
-            for req, tok in records:
-                if req is None or req.abandoned:
-                    continue
-                try:
-                    req.output_tokens += 1
-                    if req.output_tokens == 1:
-                        req.ts.first_token = now
-                        seq = self.scheduler.get(req.rid)
-                        if seq is not None:
-                            req.ts.admitted = seq.admitted_at
-                            req.cached_tokens = seq.num_cached_tokens
-                    if record:
-                        req.ts.token_times.append(now)
-                    req.unsent += req.detok.push(tok)
-                    req.pending_tokens += 1
-                    # first token at once; a finishing request is flushed below, after any stop-string cut
-                    if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
-                        self._flush(req, now)
-                except Exception as e:  # this request's detokenizing failed: it alone fails, below
-                    failed = failed or []
-                    failed.append((req, e))
-            if failed:
-                for req, e in failed:
-                    self._request_failed(req, e)
-        with stages.range("stream_flush", len(done)):
-            for req in done:
-                if req is None or req.done.is_set():
-                    continue
-                try:
-                    self._finish(req, now)
-                except Exception as e:
-                    self._request_failed(req, e)
-
-    def _finish(self, req: _Request, now: float) -> None:
-        """Send a finished request's last text and end its stream."""
-        seq = self.scheduler.get(req.rid)
-        if seq is not None and seq.finish_reason is FinishReason.ERROR:
-            self._request_failed(req, seq.error)
-            return
-        reason = seq.finish_reason.value if seq is not None and seq.finish_reason else "stop"
-        final = self.scheduler.pop_response(req.rid) if seq is not None else None
-        if seq is not None and seq.final_text is not None:
-            text = final  # cut before the stop string
-        else:
-            text = req.text + (req.detok.flush() if req.detok else "")
-        req.final_text = text
-        req.unsent = text[req.sent:]
-        req.finish_reason = reason
-        req.ts.finish = now
-        self._flush(req, now, final=True)
-        self._close(req)
-
-    def _request_failed(self, req: _Request, cause: Optional[BaseException], in_scheduler: bool = True) -> None:
-        """Handling one request raised ``cause``: end it alone (blocks freed, the stream gets a
-        RequestFailedError); the engine goes on. ``in_scheduler`` only on the worker thread."""
-        log.error("request %d failed, the engine goes on", req.rid, exc_info=cause)
-        if in_scheduler:
-            self.scheduler.discard_request(req.rid, FinishReason.ERROR)
-        error = RequestFailedError()
-        error.__cause__ = cause
-        self._fail(req, error)
-
-    def _flush(self, req: _Request, now: float, final: bool = False) -> None:
-        unsent = req.unsent
-        upto = len(unsent) if final else len(unsent) - req.holdback
-        if upto > 0:
-            piece = unsent[:upto]
-            req.unsent = unsent[upto:]
-            req.parts.append(piece)
-            req.sent += upto
-            self._put(req, piece)
-            if self.record_timestamps:
-                req.ts.flush_times.append(now)
-                req.ts.flush_tokens.append(req.pending_tokens)
-            req.pending_tokens = 0
-
-    def _close(self, req: _Request) -> None:
-        if req.done.is_set():
-            return
-        req.done.set()
-        self._put(req, _END)
-        self._release_slot()
-
-    @staticmethod
-    def _put(req: _Request, item) -> None:
-        req.queue.put(item if req.sink is None else (req.rid, item))
-
-    def _fail(self, req: _Request, error: BaseException) -> None:
-        if req.done.is_set():
-            return
-        req.error = error
-        req.finish_reason = "error"
-        self._close(req)
+        self.outputs.process(tokens, finished, time.perf_counter(), self._requests, self._lock)

@@ -58,7 +58,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 # a short window by default, a bounded one at most.
 DEFAULT_PROFILE_SECONDS = 5.0
 MAX_PROFILE_SECONDS = 60.0
-_MIN_CHARS_PER_TOKEN_BOUND = 32
 
 
 class _Ended:
@@ -288,9 +287,8 @@ class _Server:
         self.overload = overload
         self.profile_dir = profile_dir
         self.max_model_len = engine.max_model_len
-        model = getattr(engine, "loaded", None)
-        self.vocab_size = getattr(getattr(model, "model", None), "vocab_size", None) or len(engine.tokenizer)
-        self.max_prompt_chars = self.max_model_len * _max_token_chars(engine.tokenizer)
+        self.inputs = engine.inputs
+        self.max_prompt_chars = self.inputs.max_prompt_chars
         self.created = p.now()
         self.metrics = ServerMetrics(manager)
         self.user_on_engine_dead = on_engine_dead
@@ -337,35 +335,26 @@ class _Server:
                                 "shorten it.", param, p.CONTEXT_LENGTH_EXCEEDED)
 
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.engine.scheduler.encode(prompt)
-        p.check_token_ids(prompt, self.vocab_size, "prompt")
-        return list(prompt)
+        return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
-        tok = self.engine.tokenizer
-        if getattr(tok, "chat_template", None) is None:
+        if not self.inputs.has_chat_template:
             raise p.bad_request(f"the model {self.model_name} has no chat template: use /v1/completions",
                                 "messages")
         try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:
-            # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose
-            # message is written for the user); anything else is the template tripping over what
-            # the messages hold: a 400 too, without its internal text.
-            if type(e).__module__.startswith("jinja2") and type(e).__name__ == "TemplateError":
-                raise p.bad_request(f"the chat template rejected the messages: {e}", "messages") from None
-            log.info("the chat template failed on a request's messages: %s: %s", type(e).__name__, e)
-            raise p.bad_request("the chat template could not render these messages (check the roles, and "
-                                "that extra message fields are plain strings)", "messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+            return self.inputs.chat(messages)
+        except RequestError as e:
+            if e.__cause__ is not None:
+                log.info("the chat template failed on a request's messages: %s: %s",
+                         type(e.__cause__).__name__, e.__cause__)
+            raise p.bad_request(str(e), "messages") from None
 
     async def tokenize(self, fn, arg) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
 
-    async def submit(self, ids: list[int], params) -> tuple[int, asyncio.Queue]:
+    async def submit(self, ids: list[int], params, prompt_param: str) -> tuple[int, asyncio.Queue]:
+        """Hand the request to the manager, whose input processor checks the prompt (a 400 names
+        the field it is about)."""
         self.check_alive()
         if self.closing:
             raise p.shutting_down()
@@ -387,7 +376,7 @@ class _Server:
                     await asyncio.sleep(0.005)  # the slot is released just before the END we wait on
         except RequestError as e:
             self._release_room()
-            raise p.bad_request(str(e), "prompt") from None
+            raise p.bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None
         except EngineDeadError:
             self._release_room()
             raise p.engine_dead() from None
@@ -446,11 +435,9 @@ class _Server:
             ids = await self.tokenize(self._encode_completion, p.completion_prompt(req))
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
-        if not ids:
-            raise p.bad_request("the prompt is empty: give at least one token of text", prompt_param)
         params = p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
-                                   max_tokens=max_tokens, prompt_param=prompt_param, vocab_size=self.vocab_size)
-        rid, q = await self.submit(ids, params)
+                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs)
+        rid, q = await self.submit(ids, params, prompt_param)
         env = p.Envelope(chat, req.model or self.model_name)
         headers = {"x-request-id": env.id}
         if req.stream:
@@ -629,17 +616,6 @@ class _Server:
 def _export_trace(prof, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     prof.export_chrome_trace(path)
-
-
-def _max_token_chars(tokenizer) -> int:
-    """The most characters one token can stand for (byte-level vocabularies spell a byte as one
-    character, so no input character takes less); at least 32."""
-    try:
-        vocab = tokenizer.get_vocab()
-        longest = max((len(t) for t in vocab), default=0)
-    except Exception:  # a tokenizer without a readable vocabulary: the floor below
-        longest = 0
-    return max(_MIN_CHARS_PER_TOKEN_BOUND, longest)
 
 
 async def _json_object_body(request: Request) -> dict:

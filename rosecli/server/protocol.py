@@ -1,5 +1,8 @@
-"""OpenAI-compatible request and response shapes, and the checks that turn a request into
-engine inputs (token ids + ``SamplingParams``) or a 400 that names the bad parameter.
+"""OpenAI-compatible request and response shapes, and the checks OpenAI's wire format adds
+(field types and names, its ranges, a prompt plus ``max_tokens`` within the context) on the way
+to engine inputs (token ids + ``SamplingParams``) or a 400 that names the bad parameter.
+Tokenizing, the chat template and the engine's own checks of a prompt are the input
+processor's (`rosecli.engine.inputs`).
 
 Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completions,
 ``temperature`` 1.0, ``n`` 1); the extensions vLLM users expect (``top_k``, ``ignore_eos``,
@@ -24,7 +27,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rosecli.engine.config import (MAX_INT32, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                    SamplingParams)
-from rosecli.engine.errors import ConfigError
+from rosecli.engine.errors import ConfigError, RequestError
+from rosecli.engine.inputs import InputProcessor
 
 
 # --- the error vocabulary -----------------------------------------------------------------------
@@ -240,21 +244,16 @@ def completion_prompt(req: CompletionRequest) -> Union[str, list[int]]:
     return p
 
 
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param)
-
-
 def _context_exceeded(message: str, param: str) -> APIError:
     return bad_request(message, param, CONTEXT_LENGTH_EXCEEDED)
 
 
 def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int, *,
                     default_max_tokens: Optional[int], max_tokens: Optional[int], prompt_param: str,
-                    vocab_size: int) -> SamplingParams:
-    """Check the sampling fields against the prompt, the context and what the engine can
-    represent; a 400 names the field.
+                    inputs: InputProcessor) -> SamplingParams:
+    """Check the sampling fields as the wire states them (OpenAI's ranges, and its refusal of a
+    prompt plus ``max_tokens`` beyond the context); the engine's own checks come from ``inputs``
+    (the vocabulary) and `SamplingParams`. A 400 names the field.
 
     ``default_max_tokens`` None means "the rest of the context" (chat, as vLLM)."""
     room = max_model_len - prompt_tokens
@@ -283,7 +282,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
     if not 0 <= top_k <= MAX_TOP_K:
         raise bad_request(f"top_k must be -1 or 0 (off) or an integer from 1 to {MAX_TOP_K}, got {req.top_k}",
                           "top_k")
-    if top_k >= vocab_size:
+    if inputs.vocab_size is not None and top_k >= inputs.vocab_size:
         top_k = 0  # keeping the whole vocabulary is no filter
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
         raise bad_request(f"seed must be an integer from 0 to {MAX_SEED}, got {req.seed}", "seed")
@@ -297,7 +296,10 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids holds {len(stop_token_ids)} ids: at most {MAX_STOP_TOKEN_IDS}",
                           "stop_token_ids")
-    check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    try:
+        inputs.check_token_ids(stop_token_ids, "stop_token_ids")  # before SamplingParams: it names the field
+    except RequestError as e:
+        raise bad_request(str(e), "stop_token_ids") from None
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                               top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,

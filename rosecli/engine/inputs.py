@@ -1,0 +1,113 @@
+"""Input processing: a prompt (text, chat messages or token ids) and its `SamplingParams` become
+checked token ids, once, for every caller (CLI, HTTP server, benchmarks, offline generate).
+
+`SamplingParams` checks its own ranges when built; what depends on the engine (the model's
+context, the KV pool, the vocabulary) is checked here. The HTTP layer keeps only what OpenAI's
+wire format adds (field types, its ranges, the prompt plus ``max_tokens`` within the context).
+Every refusal is a `RequestError` whose message names the problem and the fix, and whose
+``param`` names the input it is about.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from rosecli.engine.config import SamplingParams
+from rosecli.engine.errors import RequestError
+
+# A floor for the characters one token may stand for (see max_token_chars).
+_MIN_CHARS_PER_TOKEN_BOUND = 32
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (byte-level vocabularies spell a byte as one
+    character, so no input character takes less); at least 32."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # a tokenizer without a readable vocabulary: the floor below
+        longest = 0
+    return max(_MIN_CHARS_PER_TOKEN_BOUND, longest)
+
+
+class InputProcessor:
+    """Tokenizes and checks requests for one engine. Thread-safe: it holds no per-request state."""
+
+    def __init__(self, tokenizer, max_model_len: int, vocab_size: Optional[int], block_manager):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.block_manager = block_manager
+        self._max_prompt_chars: Optional[int] = None
+
+    # --- text -> token ids ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.tokenizer, "chat_template", None) is not None
+
+    def chat(self, messages: Union[str, list[dict]]) -> list[int]:
+        """The chat template applied to ``messages`` (a string is one user message), with the
+        generation prompt; a template that refuses the messages is a RequestError."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:
+            # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose
+            # message is written for the user); anything else is the template tripping over what
+            # the messages hold, named without its internal text.
+            if type(e).__module__.startswith("jinja2") and type(e).__name__ == "TemplateError":
+                raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
+            raise RequestError("the chat template could not render these messages (check the roles, and "
+                              "that extra message fields are plain strings)", "messages") from e
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """No prompt of more characters can fit the context (computed once, on first use)."""
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
+        return self._max_prompt_chars
+
+    # --- checks -----------------------------------------------------------------------------
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty: give at least one token of text")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens but the model's context is "
+                              f"{self.max_model_len}: shorten the prompt (at least one token must be left "
+                              "to generate)")
+        bm = self.block_manager
+        if bm.blocks_needed(len(token_ids) + 1) > bm.num_blocks:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; with one token to generate it needs "
+                              f"{bm.blocks_needed(len(token_ids) + 1)} KV blocks of {bm.block_size} tokens, but "
+                              f"the whole KV cache has {bm.num_blocks} blocks ({bm.num_blocks * bm.block_size} "
+                              "tokens): shorten the prompt or raise --num-gpu-blocks")
+        if not all(type(t) is int for t in token_ids):
+            bad = next(t for t in token_ids if type(t) is not int)
+            raise RequestError(f"prompt token ids must be integers, got {bad!r}")
+        self.check_token_ids(token_ids, "prompt")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Every id within the vocabulary (``param`` names the input in the error)."""
+        if not token_ids:
+            return
+        lo, hi = min(token_ids), max(token_ids)
+        if lo < 0 or (self.vocab_size is not None and hi >= self.vocab_size):
+            raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
+                              f"[0, {self.vocab_size})", param)
+
+    def process(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> list[int]:
+        """The checked token ids of ``prompt`` (text is tokenized without special tokens).
+
+        ``params`` checked itself when built (`SamplingParams`); a stop token id outside the
+        vocabulary is allowed here (it never matches) and refused by the HTTP layer, which
+        checks it with ``check_token_ids`` as OpenAI's API does."""
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_prompt(token_ids)
+        return token_ids

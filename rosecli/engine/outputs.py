@@ -1,0 +1,264 @@
+"""Output processing: the engine's sampled tokens become each request's text, once.
+
+One `RequestState` per request holds its incremental detokenizer (`engine/detokenizer.py`), the
+text produced so far and its stream's queue. After every scheduler step, on the engine's worker
+thread, `OutputProcessor.process` pushes each new token through its request's detokenizer,
+looks for the request's stop strings in the new text, and puts text pieces on the queue
+(every ``stream_interval`` tokens, the first token at once, and at finish).
+
+Stop strings. The last ``len(longest stop) - 1`` characters are held back until they cannot
+start a stop string, so no prefix of one ever reaches a caller. When a stop string appears, the
+text is cut before it and the request is finished in the scheduler at once
+(``scheduler.finish_request``), before the next step: with overlap scheduling its token in the
+step already in flight is dropped, exactly as for EOS at that step, and nothing after the stop
+reaches the caller. The final text is the pieces sent, concatenated.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from rosecli.engine.detokenizer import IncrementalDetokenizer
+from rosecli.engine.errors import RequestFailedError
+from rosecli.engine.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestTimestamps:
+    """``time.perf_counter()`` seconds; None when the stage did not happen (or was not recorded)."""
+
+    submit: float = 0.0
+    tokenized: Optional[float] = None
+    admitted: Optional[float] = None
+    first_token: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)  # each token, when the worker fanned it out
+    flush_times: list[float] = field(default_factory=list)  # each text chunk put on the queue
+    flush_tokens: list[int] = field(default_factory=list)  # tokens in each flushed chunk
+    finish: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: Optional[str]
+    timestamps: RequestTimestamps
+    cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the output token ids (once finished)
+
+
+class _End:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _End()  # the last item of every request's stream
+
+
+def find_stop(text: str, stops: list[str], start: int) -> int:
+    """Where the earliest of ``stops`` that ends after ``text[start:]`` begins begins in ``text``,
+    or -1. Only a stop string that ends in the new text can be new: ``start`` is where it begins."""
+    best = -1
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+class RequestState:
+    """One request's text and stream, owned by the worker thread once the request is admitted."""
+
+    __slots__ = ("rid", "params", "stops", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
+                 "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
+                 "abandoned", "cached_tokens", "error", "token_ids")
+
+    def __init__(self, rid: int, params, submit: float, sink: Optional[queue.SimpleQueue]):
+        self.rid = rid
+        self.params = params
+        self.stops = params.stop
+        self.sink = sink
+        self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
+        self.detok: Optional[IncrementalDetokenizer] = None
+        # The text is kept as pieces already put on the queue plus the text not yet put, so that a
+        # token costs no copy of all the text before it; ``text`` joins them when asked.
+        self.parts: list[str] = []
+        self.unsent = ""
+        self.final_text: Optional[str] = None  # the whole text, once finished
+        self.sent = 0  # characters of text already put on the queue
+        self.pending_tokens = 0
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.finish_reason: Optional[str] = None
+        self.ts = RequestTimestamps(submit=submit)
+        self.done = threading.Event()
+        self.abandoned = False
+        self.cached_tokens = 0
+        self.error: Optional[BaseException] = None
+        self.token_ids: list[int] = []
+
+    @property
+    def text(self) -> str:
+        """Detokenized so far (the whole output once finished)."""
+        if self.final_text is not None:
+            return self.final_text
+        return "".join(self.parts) + self.unsent
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.rid, self.text, self.prompt_tokens, self.output_tokens, self.finish_reason,
+                             self.ts, self.cached_tokens, self.token_ids)
+
+
+class OutputProcessor:
+    """Turns each step's tokens into text on the requests' queues; runs on the worker thread.
+
+    ``on_end(state)`` is called once per request, after its last item (END) is queued."""
+
+    def __init__(self, tokenizer, scheduler, stages, stream_interval: int = 1, record_timestamps: bool = False,
+                 on_end: Callable[[RequestState], None] = lambda state: None):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.stages = stages
+        self.stream_interval = stream_interval
+        self.record_timestamps = record_timestamps
+        self.on_end = on_end
+
+    def start(self, req: RequestState, token_ids: list[int]) -> None:
+        """The request was admitted with these prompt ids: its text starts here."""
+        req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+
+    def process(self, tokens: dict[int, int], finished: list[int], now: float,
+                requests: dict[int, RequestState], lock: threading.Lock) -> None:
+        """One step's output: ``tokens`` {request id: token}, ``finished`` the ids the scheduler
+        finished in it; ``requests`` (guarded by ``lock``) maps ids to their states."""
+        stages = self.stages
+        with stages.range("detokenize_fanout", len(tokens)):
+            with lock:  # one acquisition per step
+                get = requests.get
+                records = [(get(rid), tok) for rid, tok in tokens.items()]
+                done = [get(rid) for rid in finished]
+            interval = self.stream_interval
+            record = self.record_timestamps
+            finishing = {req.rid for req in done if req is not None} if done else ()
+            scheduler = self.scheduler
+            failed = None
+            for req, tok in records:
+                # a request ended by the output processor or its caller has no seq any more: no
+                # later token of it comes, so ``done`` needs no test here
+                if req is None or req.abandoned:
+                    continue
+                try:
+                    req.output_tokens += 1
+                    if req.output_tokens == 1:
+                        req.ts.first_token = now
+                        seq = scheduler.get(req.rid)
+                        if seq is not None:
+                            req.ts.admitted = seq.admitted_at
+                            req.cached_tokens = seq.num_cached_tokens
+                    if record:
+                        req.ts.token_times.append(now)
+                    piece = req.detok.push(tok)
+                    req.pending_tokens += 1
+                    if req.stops and piece:
+                        start = len(req.unsent)
+                        req.unsent += piece
+                        cut = find_stop(req.unsent, req.stops, start)
+                        if cut >= 0:
+                            req.unsent = req.unsent[:cut]
+                            self._finish(req, scheduler.finish_request(req.rid, FinishReason.STOP), now,
+                                         stopped=True)
+                            continue
+                    else:
+                        req.unsent += piece
+                    # first token at once; a finishing request is flushed below, with the rest of its text
+                    if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
+                        self._flush(req, now)
+                except Exception as e:  # this request's text failed: it alone fails, below
+                    failed = failed or []
+                    failed.append((req, e))
+            if failed:
+                for req, e in failed:
+                    self.request_failed(req, e)
+        with stages.range("stream_flush", len(done)):
+            for req in done:
+                if req is None or req.done.is_set():
+                    continue
+                try:
+                    self._finish(req, scheduler.pop_request(req.rid), now)
+                except Exception as e:
+                    self.request_failed(req, e)
+
+    def _finish(self, req: RequestState, seq, now: float, stopped: bool = False) -> None:
+        """Send a finished request's last text and end its stream. Text still held in the
+        detokenizer (an unfinished character) is checked for stop strings too."""
+        reason = "stop" if stopped else (seq.finish_reason.value if seq is not None and seq.finish_reason else "stop")
+        if not stopped:
+            tail = req.detok.flush() if req.detok is not None else ""
+            if tail:
+                start = len(req.unsent)
+                req.unsent += tail
+                cut = find_stop(req.unsent, req.stops, start) if req.stops else -1
+                if cut >= 0:
+                    req.unsent = req.unsent[:cut]
+                    reason = "stop"
+        if seq is not None:
+            req.token_ids = seq.output_token_ids
+        req.finish_reason = reason
+        req.ts.finish = now
+        self._flush(req, now, final=True)
+        req.final_text = "".join(req.parts)
+        self.close(req)
+
+    def _flush(self, req: RequestState, now: float, final: bool = False) -> None:
+        unsent = req.unsent
+        upto = len(unsent) if final else len(unsent) - req.holdback
+        if upto > 0:
+            piece = unsent[:upto]
+            req.unsent = unsent[upto:]
+            req.parts.append(piece)
+            req.sent += upto
+            self._put(req, piece)
+            if self.record_timestamps:
+                req.ts.flush_times.append(now)
+                req.ts.flush_tokens.append(req.pending_tokens)
+            req.pending_tokens = 0
+
+    # --- ending a stream --------------------------------------------------------------------
+    def request_failed(self, req: RequestState, cause: Optional[BaseException], in_scheduler: bool = True) -> None:
+        """Handling one request raised ``cause``: end it alone (blocks freed, the stream gets a
+        RequestFailedError); the engine goes on. ``in_scheduler`` only on the worker thread."""
+        log.error("request %d failed, the engine goes on", req.rid, exc_info=cause)
+        if in_scheduler:
+            self.scheduler.discard_request(req.rid, FinishReason.ERROR)
+        error = RequestFailedError()
+        error.__cause__ = cause
+        self.fail(req, error)
+
+    def fail(self, req: RequestState, error: BaseException) -> None:
+        if req.done.is_set():
+            return
+        req.error = error
+        req.finish_reason = "error"
+        self.close(req)
+
+    def close(self, req: RequestState) -> None:
+        if req.done.is_set():
+            return
+        req.done.set()
+        self._put(req, END)
+        self.on_end(req)
+
+    @staticmethod
+    def _put(req: RequestState, item) -> None:
+        req.queue.put(item if req.sink is None else (req.rid, item))

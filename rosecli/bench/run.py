@@ -23,7 +23,7 @@ def _direct_throughput(engine, manager: StreamingManager, workload, params: Samp
     steps the scheduler meanwhile."""
     def direct():
         engine.scheduler.reset_prefix_cache()
-        run = run_sched(engine.scheduler, workload, params, "offline")
+        run = run_sched(engine.scheduler, workload, params, "offline", inputs=engine.inputs)
         return run.completion_tokens / run.total_s if run.total_s > 0 else float("nan")
 
     return manager.call_on_worker(direct)

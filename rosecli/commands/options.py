@@ -30,8 +30,8 @@ Model = Annotated[str, typer.Option("--model", help="smollm2-135m (default), gpt
 LoadFormat = Annotated[str, typer.Option("--load-format", help="auto: real weights; dummy: random seeded weights "
                                          "of the named shape, no files needed.", rich_help_panel=ENGINE)]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda.", rich_help_panel=ENGINE)]
-Dtype = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU, float16 on CUDA) | float32 | "
-                                    "float16 | bfloat16.", rich_help_panel=ENGINE)]
+Dtype = Annotated[str, typer.Option("--dtype", help="auto (float32 on CPU; on CUDA the checkpoint's dtype, "
+                                    "float16 for float32 ones) | float32 | float16 | bfloat16.", rich_help_panel=ENGINE)]
 Seed = Annotated[int, typer.Option("--seed", help="Seed for dummy weights and sampling.", max=MAX_SEED,
                                     rich_help_panel=ENGINE)]
 MaxModelLen = Annotated[Optional[int], typer.Option("--max-model-len", help="Context length (default: the "

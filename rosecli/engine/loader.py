@@ -303,7 +303,10 @@ def checkpoint_dtype(config: EngineConfig, progress=None) -> Optional[str]:
     return None if value is None else str(value).removeprefix("torch.")
 
 
-def _iter_weights(path: Path):
+def _iter_weights(path: Path, device: torch.device = torch.device("cpu")):
+    """(name, tensor) of each stored weight in its stored dtype. safetensors are read one tensor at a
+    time straight onto ``device`` (the conversion to the model's dtype happens there, in `copy_weight`):
+    the host holds one stored tensor at a time, never a float32 copy of the model."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -319,7 +322,7 @@ def _iter_weights(path: Path):
         return
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as sf:
+            with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():
                     yield key, sf.get_tensor(key)
         except ModelLoadError:
@@ -408,7 +411,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
 
     def load_weights(m: torch.nn.Module) -> None:
         check_converted(model_dir)
-        m.load_weights(_iter_weights(model_dir))
+        m.load_weights(_iter_weights(model_dir, device))
 
     if dummy:
         _init_dummy(model, config.seed, device)

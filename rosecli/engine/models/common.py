@@ -109,7 +109,7 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
             f"weight {name} has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}: "
             "the weights do not match the model's config")
     with torch.no_grad():
-        param.copy_(loaded.to(param.dtype))
+        param.copy_(loaded)  # converts to the parameter's dtype on its device (no host copy in that dtype)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], tied: Iterable[str] = ()) -> None:

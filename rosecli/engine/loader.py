@@ -152,7 +152,8 @@ def _model_dir(config: EngineConfig, progress) -> tuple[Path, str]:
                                  "directory with config.json and *.safetensors, or a .gguf file")
         if not _weight_files(path):
             raise ModelLoadError(f"{path} has no weight files (*.safetensors or pytorch_model*.bin): download "
-                                 "the model's weights into it, or pass another --model")
+                                 "the model's weights into it, pass another --model, or add --load-format dummy "
+                                 "for random weights of its config's shape")
         return path, path.name
     if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", ""):
         raise ModelLoadError(f"model directory {path} does not exist: check the path, or pass smollm2-135m, "

@@ -282,3 +282,41 @@ def test_sliding_window_kernels_at_mistral_shape_on_the_gpu(dtype, window):
                                       window)
     out = paged_prefill_attention(qp, k, v, tables, cu, ctx, max(new), max(lens), scale, window=window)
     assert _rel(out.float(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("name,scaling", [
+    ("llama-3.1-8b", None), ("llama-3.2-1b", None),
+    ("qwen2.5-7b", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),  # its README's
+    ("qwen3-8b", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    ("mistral-7b", {"type": "linear", "factor": 2.0}),
+])
+def test_rope_of_published_configs_matches_transformers(name, scaling):
+    """The real configs' frequencies (theta 5e5/1e6, factors 8/32, YaRN 4x) against transformers' own."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from rosecli.engine.models.rope import rotary_angles
+    from rosecli.engine.models.shapes import NAMED_SHAPES
+
+    raw = dict(NAMED_SHAPES[name])
+    if scaling:
+        raw["rope_scaling"] = scaling
+    ours_cfg = model_config(raw)
+    kind = raw.pop("model_type")
+    for key in ("architectures", "torch_dtype"):
+        raw.pop(key)
+    hf_cfg = AutoConfig.for_model(kind, **raw)
+    rope_type = hf_cfg.rope_parameters["rope_type"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    if rope_type == "default":
+        inv_freq = 1.0 / (hf_cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        factor = 1.0
+    else:
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, torch.device("cpu"))
+    positions = context_length(ours_cfg)
+    angles, scale = rotary_angles(ours_cfg, head_dim, positions)
+    assert scale == pytest.approx(factor)
+    assert positions == {"llama-3.1-8b": 131072, "llama-3.2-1b": 131072, "qwen2.5-7b": 131072, "qwen3-8b": 131072,
+                         "mistral-7b": 65536}[name]
+    p = positions - 1
+    assert torch.allclose(angles[p] / p, inv_freq.double(), rtol=1e-6, atol=0)

@@ -497,7 +497,18 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=200.0, help="--quick-sweep: seconds for the decode search")
     ap.add_argument("--decode-only", action="store_true", help="table: skip the prefill and store rows")
     ap.add_argument("--launch-json", help="table: decode launch rows from a sweep's --out instead of launch_table.py")
+    ap.add_argument("--shapes", nargs="+", metavar="NAME=HEADS:KV_HEADS",
+                    help="attention shapes instead of GPT-2's and SmolLM2's, e.g. llama8b=32:8 qwen7b=28:4")
+    ap.add_argument("--head-dim", type=int, default=64, help="head_dim of every shape (64: GPT-2, SmolLM2)")
     args = ap.parse_args()
+    global SHAPES, HEAD_DIM, SCALE
+    if args.shapes:
+        try:
+            SHAPES = {name: tuple(int(x) for x in dims.split(":")) for name, dims in
+                      (spec.split("=") for spec in args.shapes)}
+        except ValueError:
+            sys.exit("--shapes takes NAME=HEADS:KV_HEADS, e.g. llama8b=32:8")
+    HEAD_DIM, SCALE = args.head_dim, args.head_dim ** -0.5
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)

@@ -82,7 +82,10 @@ ENGINE_OPTIONS: dict[str, Opt] = {
     "load_format": Opt("--load-format", str, "auto: real weights; dummy: random seeded weights of the named shape, "
                        "no files needed.", ENGINE),
     "device": Opt("--device", str, "auto | cpu | cuda.", ENGINE),
-    "dtype": Opt("--dtype", str, "auto (float32 on CPU, float16 on CUDA) | float32 | float16 | bfloat16.", ENGINE),
+    "dtype": Opt("--dtype", str, "auto (float32 on CPU; on CUDA the checkpoint's dtype, float16 for float32 ones) | "
+                  "float32 | float16 | bfloat16.", ENGINE),
+    "dummy_layers": Opt("--dummy-layers", Optional[int], "With --load-format dummy: build only the first N layers "
+                        "of the shape (quick runs of a big model's shape).", ENGINE, max=1024),
     "seed": Opt("--seed", int, "Seed for dummy weights and sampling.", ENGINE, max=MAX_SEED),
     "max_model_len": Opt("--max-model-len", Optional[int], "Context length (default: the model's).", ENGINE,
                          max=MAX_INT32),

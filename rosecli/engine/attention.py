@@ -76,12 +76,18 @@ def with_decode_gather(meta: AttentionMetadata, block_size: int, kv_heads: int,
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """``sliding_window``: each query attends to its last ``sliding_window`` positions only, itself
+    included (Mistral; transformers' ``kv_idx > q_idx - sliding_window``); None: all of them. The
+    cache still holds every token; the kernels skip the blocks before the window."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: Optional[int] = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
         self.k_cache: Optional[torch.Tensor] = None
         self.v_cache: Optional[torch.Tensor] = None
 
@@ -103,18 +109,22 @@ class Attention(nn.Module):
         if not meta.is_prefill:
             if meta.kv_index is not None and not meta.use_triton:
                 out = self._decode_gathered(q, meta)
+            elif meta.use_triton:
+                out = paged_decode.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                          meta.context_lens, self.scale, meta.max_context_len,
+                                                          window=self.sliding_window)
             else:
-                fn = paged_decode.paged_decode_attention if meta.use_triton else paged_decode.paged_decode_attention_ref
-                out = fn(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale,
-                         meta.max_context_len)
+                out = paged_decode.paged_decode_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                              meta.context_lens, self.scale, meta.max_context_len,
+                                                              self.sliding_window)
         elif meta.use_triton:
             out = prefill_attention.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                meta.max_seqlen_q, meta.max_context_len, self.scale)
-        elif meta.has_prefix:
+                meta.max_seqlen_q, meta.max_context_len, self.scale, window=self.sliding_window)
+        elif meta.has_prefix or (self.sliding_window is not None and meta.max_seqlen_q > self.sliding_window):
             out = prefill_attention.paged_prefill_attention_ref(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                meta.max_seqlen_q, meta.max_context_len, self.scale)
+                meta.max_seqlen_q, meta.max_context_len, self.scale, self.sliding_window)
         else:
             out = self._prefill_fresh(q, k, v, meta)
         return out.reshape(n, self.num_heads * self.head_dim)
@@ -126,6 +136,11 @@ class Attention(nn.Module):
         k = self.k_cache.view(-1, self.head_dim).index_select(0, idx).view(kv_shape)
         v = self.v_cache.view(-1, self.head_dim).index_select(0, idx).view(kv_shape)
         mask = meta.kv_mask
+        if self.sliding_window is not None and meta.max_context_len > self.sliding_window:
+            # positions before each sequence's window are masked too (the step's mask covers its length only)
+            pos = torch.arange(mask.shape[-1], device=mask.device)
+            before = pos < (meta.context_lens.unsqueeze(1) - self.sliding_window)
+            mask = mask.masked_fill(before[:, None, None, :], float("-inf"))
         if k.dtype != q.dtype:
             k, v = k.to(q.dtype), v.to(q.dtype)
         if mask.dtype != q.dtype:

@@ -75,6 +75,8 @@ class EngineConfig:
     threads: Optional[int] = None
     seed: int = 0
     max_model_len: Optional[int] = None
+    # --load-format dummy only: build this many layers instead of the shape's (CI runs real widths shallow)
+    dummy_layers: Optional[int] = None
     # KV cache
     block_size: int = 16
     num_gpu_blocks: Optional[int] = None
@@ -113,6 +115,9 @@ class EngineConfig:
         _check_int("--seed", self.seed, 0)
         if self.max_model_len is not None:
             _check_int("--max-model-len", self.max_model_len, 1)
+        if self.dummy_layers is not None:
+            _check_int("--dummy-layers", self.dummy_layers, 1, 1024)
+            _check(self.load_format == "dummy", "--dummy-layers applies to --load-format dummy only")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
                f"--block-size must be a power of two from 1 to 128, got {self.block_size!r}")
         if self.num_gpu_blocks is not None:

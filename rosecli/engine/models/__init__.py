@@ -2,13 +2,14 @@
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.engine.models.gpt2 import GPT2ForCausalLM
-from rosecli.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from rosecli.engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_CLASSES = {
     "gpt2": GPT2ForCausalLM,
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 

@@ -77,12 +77,17 @@ class RotaryEmbedding(nn.Module):
     as ``(x1*cos - x2*sin, x2*cos + x1*sin)``.
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    def __init__(self, head_dim: int, max_position: int, base: float = 10000.0,
+                 angles: Optional[torch.Tensor] = None, scale: float = 1.0):
+        """Plain RoPE of ``base``, or the given ``angles`` ([max_position, head_dim // 2], float64;
+        `rope.rotary_angles`) with cos/sin multiplied by ``scale`` (YaRN's attention factor)."""
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        cos, sin = freqs.cos(), freqs.sin()
+        if angles is None:
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+            angles = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)
+        cos, sin = angles.cos(), angles.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
         self.register_buffer("cos", torch.cat((cos, cos), -1).float(), persistent=False)
         self.register_buffer("sin", torch.cat((-sin, sin), -1).float(), persistent=False)
 
@@ -104,7 +109,7 @@ def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
             f"weight {name} has shape {tuple(loaded.shape)}, the model expects {tuple(param.shape)}: "
             "the weights do not match the model's config")
     with torch.no_grad():
-        param.copy_(loaded.to(param.dtype))
+        param.copy_(loaded)  # converts to the parameter's dtype on its device (no host copy in that dtype)
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], tied: Iterable[str] = ()) -> None:

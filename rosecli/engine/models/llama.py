@@ -1,4 +1,5 @@
-"""The Llama family: Llama, SmolLM2, Mistral (full attention), Qwen2 (q/k/v biases).
+"""The Llama family: Llama 2/3.x (RoPE scalings in `rope`), SmolLM2, Mistral (sliding window),
+Qwen2/2.5 (q/k/v biases), Qwen3 dense (per-head q/k RMSNorm).
 
 Hugging Face weight names; q/k/v and gate/up are fused into one matrix each at load time.
 """
@@ -12,26 +13,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
-from rosecli.engine.errors import ModelLoadError
 from rosecli.engine.models.common import (RMSNorm, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
                                            copy_weight, silu_mul)
+from rosecli.engine.models.rope import context_length, rotary_angles
 
 
 def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    scaling = getattr(cfg, "rope_scaling", None) or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ModelLoadError(f"RoPE scaling {kind!r} is not supported yet; only plain RoPE models load")
-    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+def layer_windows(cfg) -> list[Optional[int]]:
+    """Each layer's sliding attention window (tokens, the current one included), None for full attention.
+
+    Mistral: ``sliding_window`` on every layer (null: none). Qwen2/Qwen3: only with
+    ``use_sliding_window``, on the layers ``layer_types`` marks ``sliding_attention`` (else from
+    ``max_window_layers`` on), as transformers' configs decide. Llama: none.
+    """
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    kind = getattr(cfg, "model_type", None)
+    if not window or kind not in ("mistral", "qwen2", "qwen3"):
+        return [None] * n
+    if kind == "mistral":
+        return [int(window)] * n
+    if not getattr(cfg, "use_sliding_window", False):
+        return [None] * n
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    first = getattr(cfg, "max_window_layers", n)
+    return [int(window) if i >= first else None for i in range(n)]
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool):
+    def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, sliding_window: Optional[int] = None):
         super().__init__()
         d = cfg.hidden_size
         self.heads = cfg.num_attention_heads
@@ -41,12 +56,15 @@ class LlamaLayer(nn.Module):
         self.kv_size = self.kv_heads * self.head_dim
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.qkv_proj = nn.Linear(d, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        # Qwen3: RMSNorm over each head's q and k before the rotation
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.o_proj = nn.Linear(self.q_size, d, bias=False)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.gate_up_proj = nn.Linear(d, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
         self.intermediate = cfg.intermediate_size
-        self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, sliding_window)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,24 +75,34 @@ class LlamaLayer(nn.Module):
         fused = meta.fused_ops
         h, residual = add_norm(self.input_layernorm, x, residual, fused)
         qkv = self.qkv_proj(h)
-        # q and k sit side by side in qkv: one rotation covers both
-        qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope).view(n, qk_size)
-        o = self.o_proj(self.attn(qk[:, :self.q_size], qk[:, self.q_size:], qkv[:, qk_size:], meta))
+        if self.q_norm is None:
+            # q and k sit side by side in qkv: one rotation covers both
+            qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope)
+            q, k = qk.view(n, qk_size)[:, :self.q_size], qk.view(n, qk_size)[:, self.q_size:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].reshape(n, self.heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
+            q = apply_rotary(q, *rope).reshape(n, self.q_size)
+            k = apply_rotary(k, *rope).reshape(n, self.kv_size)
+        o = self.o_proj(self.attn(q, k, qkv[:, qk_size:], meta))
         h, residual = add_norm(self.post_attention_layernorm, o, residual, fused)
         return self.down_proj(silu_mul(self.gate_up_proj(h), fused)), residual
 
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
+    qk_norm = False
 
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
         qkv_bias = bool(getattr(cfg, "attention_bias", self.qkv_bias_default)) or self.qkv_bias_default
-        self.max_position = cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(_head_dim(cfg), self.max_position, _rope_theta(cfg))
+        self.max_position = context_length(cfg)
+        angles, scale = rotary_angles(cfg, _head_dim(cfg), self.max_position)
+        self.rotary = RotaryEmbedding(_head_dim(cfg), self.max_position, angles=angles, scale=scale)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias, self.qk_norm, window)
+                                    for window in layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # None when tied to the embedding (`prepare_cpu_weights` may set a copy in another representation)
@@ -116,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
                 if f".{proj}." in name:
                     target, shard = name.replace(f"self_attn.{proj}", fused).replace(f"mlp.{proj}", fused), idx
             target = target.replace("self_attn.o_proj", "o_proj").replace("mlp.down_proj", "down_proj")
+            target = target.replace("self_attn.q_norm", "q_norm").replace("self_attn.k_norm", "k_norm")
             if target not in params:
                 continue
             param = params[target]
@@ -138,3 +167,8 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     qkv_bias_default = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense: Llama plus RMSNorm over each head's q and k; no q/k/v biases unless the config asks."""
+    qk_norm = True

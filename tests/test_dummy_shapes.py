@@ -72,7 +72,7 @@ def test_config_only_directory_runs_with_ids_past_the_tokenizer(cache_dir, tmp_p
     assert len(seq.token_ids) == 16
     assert any(t >= 49152 for t in seq.token_ids)  # random weights: ids spread over the whole vocabulary
     text = engine.tokenizer.decode([t for t in seq.token_ids if t < 49152])
-    assert engine.tokenizer.decode(seq.output_token_ids) == text
+    assert engine.tokenizer.decode(seq.token_ids) == text
 
 
 def test_config_only_directory_with_layer_override_loads_fast(cache_dir, tmp_path):

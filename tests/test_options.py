@@ -78,7 +78,7 @@ WORKLOAD = _group_flags(o.WORKLOAD_OPTIONS)
 
 
 def test_each_command_offers_its_option_groups():
-    assert len(ENGINE) == 24 and "--block-size" in ENGINE and "--prefix-cache" in ENGINE
+    assert len(ENGINE) == 25 and "--block-size" in ENGINE and "--prefix-cache" in ENGINE
     server_only = {"--host", "--port", "--overload"}
     assert _flags("serve-local") >= ENGINE | server_only and not _flags("serve-local") & (SAMPLING | WORKLOAD)
     assert _flags("bench stream") >= ENGINE | SAMPLING - {"--stop"} | WORKLOAD

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -93,11 +94,14 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["gpu_count"] = torch.cuda.device_count()
-    for mod in ("triton", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:  # absent or broken: the version is unknown, not an error
-            env[mod] = None
+    try:
+        env["triton"] = __import__("triton").__version__
+    except Exception:  # absent or broken: the version is unknown, not an error
+        env["triton"] = None
+    try:  # read from its metadata: importing transformers costs about a second
+        env["transformers"] = importlib.metadata.version("transformers")
+    except Exception:
+        env["transformers"] = None
     env["python"] = platform.python_version()
     env["platform"] = platform.platform()
     env["commit"], env["dirty"] = _checkout()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama", *NAMED_SHAPES)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+log = logging.getLogger(__name__)
 
 
 _DUMMY_SHAPES = {
@@ -198,12 +200,22 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _tokenizer(path: Path):
-    """A fast tokenizer straight from tokenizer.json when there is one (AutoTokenizer's
-    dispatch costs seconds of start-up), else whatever AutoTokenizer finds."""
+    """With a tokenizer.json: our ``Tokenizer`` (rosecli.engine.tokenizer), the same tokenizer as
+    transformers' PreTrainedTokenizerFast without importing transformers (about 1.3 s of
+    start-up); what it does not reproduce, and any file it cannot read, goes to
+    PreTrainedTokenizerFast, which loads it or names the problem. Without one, whatever
+    AutoTokenizer finds."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                                 "vocab.json")):
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json): copy the "
                              "model's tokenizer files into it")
+    if (path / "tokenizer.json").is_file():
+        from rosecli.engine.tokenizer import Tokenizer
+
+        try:
+            return Tokenizer.from_dir(path)
+        except Exception as e:  # Unsupported, or a file transformers will report on
+            log.debug("tokenizer of %s loaded by transformers: %s: %s", path, type(e).__name__, e)
     try:
         if (path / "tokenizer.json").is_file():
             from transformers import PreTrainedTokenizerFast
@@ -267,12 +279,12 @@ def dummy_tokenizer(config: EngineConfig):
     ``gpt2`` has 50,257 logits, and ids past the tokenizer's end decode to no text
     (``tokenizer.decode`` skips unknown ids without raising).
     """
-    from transformers import AutoTokenizer
-
     root = cache_root(config)
     for cand in (root / "models" / "smollm2-135m", root / "tokenizers" / "smollm2"):
         if (cand / "tokenizer.json").is_file():
             return _tokenizer(cand)
+    from transformers import AutoTokenizer
+
     gguf_path = _smollm2_gguf()
     try:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))

@@ -205,8 +205,7 @@ def _tokenizer(path: Path):
     start-up); what it does not reproduce, and any file it cannot read, goes to
     PreTrainedTokenizerFast, which loads it or names the problem. Without one, whatever
     AutoTokenizer finds."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                                                "vocab.json")):
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json or tokenizer_config.json): copy the "
                              "model's tokenizer files into it")
     if (path / "tokenizer.json").is_file():

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Before/after on the GPU machine: W4, W3 and W1 of shared/BENCHMARKS.md from a baseline tree
+# Before/after on the GPU machine: W4, W3, W1 and W5 of shared/BENCHMARKS.md from a baseline tree
 # (default .base, e.g. `git archive <commit> | tar -x -C .base`) and from this checkout, back to
 # back, then `rose bench compare` on each pair. Extra arguments go to every "after" command
 # (e.g. --no-overlap-schedule). Results under $OUT (default ./gpu-out).
-#   bash scripts/ab_workloads.sh [--base DIR] [--after DIR] [--only "W4 W3 W1"] [extra after-args...]
+#   bash scripts/ab_workloads.sh [--base DIR] [--after DIR] [--only "W4 W3 W1 W5"] [extra after-args...]
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
 base=.base; after=.; only="W4 W3 W1"
@@ -15,6 +15,7 @@ common="--load-format dummy --device cuda --prompt Hello"
 declare -A W=(
   [W1]="stream --model gpt2 $common --num-requests 64 --max-new-tokens 256 --max-batch-size 64 --submit-interval-ms 0 --no-stop-on-eos --no-prefix-cache --paged-attn --cuda-graph --unique-prompts --warmup-runs 1 --repeat-runs 3"
   [W3]="sched --model gpt2 $common --num-requests 64 --max-new-tokens 512 --mode online --max-batch-size 64 --no-stop-on-eos --no-prefix-cache --pretok --warmup-runs 1 --repeat-runs 3 --paged-attn"
+  [W5]="stream --model smollm2-135m $common --num-requests 64 --max-new-tokens 256 --max-batch-size 64 --submit-interval-ms 0 --no-stop-on-eos --no-prefix-cache --paged-attn --cuda-graph --unique-prompts --warmup-runs 1 --repeat-runs 3"
   [W4]="sched --model gpt2 --load-format dummy --device cuda --num-requests 1 --max-new-tokens 256 --mode online --no-stop-on-eos --warmup-runs 1 --repeat-runs 3"
 )
 for w in $only; do

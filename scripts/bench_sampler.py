@@ -1,5 +1,6 @@
 """Time one sampling step at batch 64 on the GPU: greedy argmax, the old sort-based `sample`, and
-`SamplerState` for several parameter sets, eager and replayed from a CUDA graph.
+`SamplerState` for several parameter sets, eager and replayed from a CUDA graph; S1 at batch 1 too,
+and top-p alone on flat logits (nuclei beyond the candidate scratch: the whole-row search).
 
     python scripts/bench_sampler.py [--batch 64] [--vocab 50257 49152 128256] [--out results.json]
 """
@@ -24,6 +25,7 @@ CONFIGS = {
     "t0.8 p0.95 (no top_k)": dict(temperature=0.8, top_p=0.95),
     "greedy + penalties": dict(repetition_penalty=1.2, presence_penalty=0.5),
 }
+FLAT = ("t0.8 p0.95 (no top_k), flat logits", dict(temperature=0.8, top_p=0.95))
 
 
 def gpu_us(fn, iters):
@@ -45,30 +47,34 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--vocab", type=int, nargs="+", default=[50257, 49152, 128256])
-    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    B, rows = a.batch, []
+    rows = []
     for V in a.vocab:
         g = torch.Generator(device=dev).manual_seed(0)
-        base = torch.randn(B, V, device=dev, generator=g) * 3  # peaked enough that top-p nuclei are small
-        logits = base.clone()
+        base_all = torch.randn(a.batch, V, device=dev, generator=g) * 3  # peaked enough that top-p nuclei are small
         prompt = list(range(0, 2000, 3))
+        cases = [(a.batch, name, params, 3.0) for name, params in CONFIGS.items()]
+        cases += [(1, "S1 (t0.8 p0.95 k50)", CONFIGS["S1 (t0.8 p0.95 k50)"], 3.0), (a.batch, FLAT[0], FLAT[1], 0.3)]
+        B = a.batch
+        base = base_all
+        logits = base.clone()
 
-        def row(name, fn, graph_fn=None):
+        def row(name, B, fn, graph_fn=None):
             eager, wall = gpu_us(fn, a.iters)
-            graphed = None
-            if graph_fn is not None:
-                graphed = graph_fn()
+            graphed = graph_fn() if graph_fn is not None else None
             rows.append(dict(vocab=V, batch=B, case=name, eager_gpu_us=round(eager, 1), eager_wall_us=round(wall, 1),
                              graph_us=None if graphed is None else round(graphed, 1)))
             print(rows[-1], flush=True)
 
-        row("greedy argmax", lambda: logits.argmax(dim=-1))
+        row("greedy argmax", B, lambda: logits.argmax(dim=-1))
         gen = torch.Generator(device=dev).manual_seed(0)
-        row("old sample() S1", lambda: old_sample(logits, [0.8] * B, [50] * B, [0.95] * B, [None] * B, gen))
-        for name, params in CONFIGS.items():
+        row("old sample() S1", B, lambda: old_sample(logits, [0.8] * B, [50] * B, [0.95] * B, [None] * B, gen))
+        for B, name, params, scale in cases:
+            base = base_all[:B] * (scale / 3.0)
+            logits = base.clone()
             st = SamplerState(B, V, dev, seed=0)
             slots = torch.tensor([st.acquire(P(**params, seed=i if i % 2 else None), prompt, [5, 6, 7],
                                              stop_ids=[V - 1, 3]) for i in range(B)], device=dev)
@@ -90,12 +96,14 @@ def main():
                     step()
                 return gpu_us(graph.replay, a.iters)[0]
 
-            row(name, step, graphed)
-            torch.cuda.synchronize()
-            rows[-1]["inexact_rows"] = int(st.inexact_rows.item())
-        copy_us, _ = gpu_us(lambda: logits.copy_(base), a.iters)
-        rows.append(dict(vocab=V, batch=B, case="(logits.copy_ included above)", eager_gpu_us=round(copy_us, 1)))
-        print(rows[-1], flush=True)
+            row(name, B, step, graphed)
+            st.fallback_rows.zero_()
+            step()
+            rows[-1]["fallback_rows"] = int(st.fallback_rows.item())  # of B, searched their whole row
+            if B == a.batch and name == FLAT[0]:
+                copy_us, _ = gpu_us(lambda: logits.copy_(base), a.iters)
+                rows.append(dict(vocab=V, batch=B, case="(logits.copy_ included above)", eager_gpu_us=round(copy_us, 1)))
+                print(rows[-1], flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=1)

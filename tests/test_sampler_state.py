@@ -133,38 +133,69 @@ def test_penalties_match_transformers_and_openai_definitions():
         assert out2.token_ids[i].item() == r.argmax().item()
 
 
-def test_penalty_kernel_matches_reference():
-    torch.manual_seed(3)
-    S, B, vocab = 5, 4, 3000
-    counts = torch.randint(0, 3, (S, vocab), dtype=torch.int32)
-    counts[torch.rand(S, vocab) < 0.3] |= K.PROMPT_BIT
-    counts[torch.rand(S, vocab) < 0.5] = 0
-    rep, pres, freq = torch.tensor([1.3, 1.0, 0.7, 1.0, 2.0]), torch.tensor([0.5, 0.0, -1.0, 0.0, 0.2]), \
-        torch.tensor([0.1, 0.0, 0.3, 0.0, -0.2])
-    slots = torch.tensor([4, 0, 1, 2])
-    x = torch.randn(B, vocab) * 3
-    counts, rep, pres, freq, slots, x = (t.to(DEV) for t in (counts, rep, pres, freq, slots, x))
-    assert torch.allclose(K.penalties(x.clone(), slots, counts, rep, pres, freq),
-                          K.penalties_ref(x.clone(), slots, counts, rep, pres, freq), atol=1e-5)
+def _kernel_case(rows, vocab, scale=3.0, penalties=False, slots=8, seed=0):
+    """Random logits and per-slot parameter blocks for `K.sample` / `K.sample_ref`; rows: list of
+    (temperature, top_k, top_p, min_p)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(rows)
+    x = torch.randn(B, vocab, generator=g) * scale
+    f = torch.zeros(6, slots)
+    f[3] = 1.0
+    i = torch.zeros(5, slots, dtype=torch.int64)
+    perm = torch.randperm(slots, generator=g)[:B]  # rows map to scattered slots
+    for r, (t, k, p, mp) in enumerate(rows):
+        f[0, perm[r]], f[1, perm[r]], f[2, perm[r]], i[0, perm[r]] = t, p, mp, k
+    i[4] = torch.randint(0, 2**32, (slots,), generator=g)
+    steps = torch.randint(0, 10**6, (slots,), generator=g)
+    counts = None
+    if penalties:
+        f[3, perm] = torch.linspace(0.7, 1.4, B)
+        f[4, perm] = torch.linspace(-0.5, 0.8, B)
+        f[5, perm] = torch.linspace(0.3, -0.2, B)
+        counts = torch.randint(0, 3, (slots, vocab), dtype=torch.int32, generator=g)
+        counts[torch.rand(slots, vocab, generator=g) < 0.3] |= K.PROMPT_BIT
+        counts[torch.rand(slots, vocab, generator=g) < 0.5] = 0
+    return x, perm.clone(), f, i, steps, counts
 
 
-@pytest.mark.parametrize("vocab", [37, 5000, 20000])
-def test_race_kernel_matches_reference(vocab):
-    torch.manual_seed(4)
-    B = 4
-    x = torch.randn(B, vocab) * 2
-    slots = torch.tensor([3, 0, 2, 1])
-    keys = torch.randint(0, 2**32, (4,))
-    steps = torch.randint(0, 10**6, (4,))
-    inv_t = torch.tensor([1.0, 0.0, 1.5, 0.7])
-    tau = torch.tensor([float("-inf"), float("-inf"), 0.5, 1.0])
-    x, slots, keys, steps, inv_t, tau = (t.to(DEV) for t in (x, slots, keys, steps, inv_t, tau))
-    assert torch.equal(K.race(x, None, slots, inv_t, tau, keys, steps),
-                       K.race_ref(x, None, slots, inv_t, tau, keys, steps))
-    vals, idx = x.topk(16, dim=1)  # racing over candidates picks what the whole row picks
-    tau_k = vals[:, -1]
-    assert torch.equal(K.race(vals.contiguous(), idx.contiguous(), slots, inv_t, tau_k, keys, steps),
-                       K.race_ref(x, None, slots, inv_t, tau_k, keys, steps))
+def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
+    B = x.shape[0]
+    x, slots, f, i, steps = (t.to(DEV) for t in (x, slots, f, i, steps))
+    counts = counts.to(DEV) if counts is not None else None
+    fallback = torch.zeros((), dtype=torch.int32, device=DEV)
+    xk, xr = x.clone(), x.clone()
+    ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.empty(B, capacity, device=DEV),
+                        torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback)
+    ref_ids, ref_tau = K.sample_ref(xr, slots, f, i, steps, counts)
+    assert torch.allclose(xk, xr, atol=1e-5)  # penalties written back
+    assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
+    assert ids.tolist() == ref_ids.tolist()
+    return fallback.item()
+
+
+ROWS = [(0.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.05), (1.2, 0, 1.0, 0.1),
+        (0.5, 7, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (1.1, 20, 0.7, 0.05), (0.9, 3000, 1.0, 0.0), (1.0, 1, 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("vocab", [37, 5000, 33000])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sample_kernel_matches_reference(vocab, penalties):
+    """The fused kernel (penalties, argmax, exact min_p/top-k/top-p threshold, race) gives the sorting
+    reference's tokens and thresholds: greedy, temperature, top-k, top-p, min_p and combinations."""
+    x, slots, f, i, steps, counts = _kernel_case(ROWS, vocab, penalties=penalties, slots=12, seed=vocab)
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=256)
+
+
+def test_sample_kernel_exact_beyond_its_candidates():
+    """Flat rows (nucleus far larger than the candidate scratch), a huge tie at the k-th value and rows
+    of held-back (-inf) tokens: still the reference's exact threshold, through the whole-row search."""
+    rows = [(1.0, 0, 0.9, 0.0), (0.8, 0, 0.95, 0.0), (1.0, 40, 0.9, 0.0), (1.0, 10, 1.0, 0.0), (1.0, 0, 0.3, 0.0),
+            (0.7, 5, 0.8, 0.02)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 4000, scale=0.05, seed=11)
+    x[2, :300] = 2.0  # 300 tokens tie at the top: top_k 40 keeps all of them
+    x[3] = torch.randint(0, 3, (4000,)).float()  # three distinct values
+    x[5, 100:] = float("-inf")  # min_tokens / logit_bias holding most of the vocabulary back
+    assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=32) >= 3
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids():
@@ -276,20 +307,6 @@ def test_resumed_request_continues_its_seeded_stream():
     assert [st2.sample(x.clone(), _slots(s2)).token_ids.item() for x in logits[3:]] == full[3:]
 
 
-def test_flat_nucleus_beyond_candidates_is_counted():
-    st = _state(slots=4, vocab=400, max_candidates=16)
-    s = st.acquire(P(temperature=1.0, top_p=0.9, seed=3))
-    st.flush()
-    ids = st.sample(torch.zeros(1, 400), _slots(s)).token_ids
-    assert st.inexact_rows.item() == 1 and 0 <= ids.item() < 400
-    g = st.acquire(P(temperature=1.0, top_p=0.9, seed=4))
-    st.flush()
-    peaked = torch.full((1, 400), -10.0)
-    peaked[0, :3] = torch.tensor([5.0, 4.0, 3.0])
-    st.sample(peaked, _slots(g))
-    assert st.inexact_rows.item() == 1
-
-
 def test_slots_are_reused_cleanly():
     st = _state(slots=2)
     a = st.acquire(P(logit_bias={3: 50.0}, presence_penalty=2.0), [1], [3, 3])
@@ -317,5 +334,5 @@ def test_gpu_matches_cpu():
         slots = [st.acquire(p, [1, 2, 3], [4, 5], stop_ids=[0, 1]) for p in params]
         st.flush()
         s = torch.tensor(slots, device=dev)
-        res.append([st.sample(logits.to(dev), s).token_ids.cpu() for _ in range(3)])
+        res.append([st.sample(logits.clone().to(dev), s).token_ids.cpu() for _ in range(3)])  # in place
     assert all(torch.equal(a, b) for a, b in zip(*res))

@@ -12,13 +12,12 @@ min_tokens tokens were generated) and logit_bias; repetition, frequency, presenc
 for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
 top-k, top-p (each over what the previous kept, renormalised), then softmax sampling.
 
-No full-vocabulary sort: top-k/top-p work on ``torch.topk`` candidates (K = the largest top_k of
-the acquired slots, or `max_candidates` when a slot has top_p without top_k); each row's filters
-become one logit threshold ``tau``; the race (see `rosecli.kernels.sampling`) samples the tokens at
-or above it. Exact unless a top-p row without top_k has a nucleus larger than `max_candidates`
-tokens (a very flat distribution): that row then samples the candidates alone, or every token that
-min_p/top-k kept when that is closer (in total variation) to the nucleus; `inexact_rows` counts such
-rows on the device.
+No vocabulary sort on the GPU: one Triton program per row (`rosecli.kernels.sampling.sample`) applies
+the penalties, takes the greedy argmax, finds each row's filters as one exact logit threshold ``tau``
+by counting passes and a bisection over at most `max_candidates` candidates, and runs the race over
+them. A row whose candidates cannot be cut to `max_candidates` (a flat distribution) gets the same
+exact answer from a slower bisection over its whole row; `fallback_rows` counts such rows. On the CPU
+the plain-torch reference (`sample_ref`, which sorts) gives the same result.
 
 Logprobs (vLLM's documented default, ``logprobs_mode="raw_logprobs"``): log_softmax of the model's
 logits as they came in, before bias, penalties, temperature and filtering. ``"processed"`` (vLLM's
@@ -31,7 +30,6 @@ batch size and on `variant()` (host-side facts about the acquired slots); `flush
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -63,9 +61,11 @@ _I = ("top_k", "min_tokens", "n_bias", "n_stop", "key")
 
 class SamplerState:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 max_stop_ids: int = 1040, max_candidates: int = 1024, logprobs_mode: str = "raw"):
+                 max_stop_ids: int = 1040, max_candidates: int = 4096, logprobs_mode: str = "raw"):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        if not 1 <= max_candidates <= K.BLOCK:
+            raise ValueError(f"max_candidates must be in 1..{K.BLOCK}, got {max_candidates}")
         self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, torch.device(device)
         self.max_stop_ids, self.max_candidates, self.logprobs_mode = max_stop_ids, max_candidates, logprobs_mode
         self.seed = seed
@@ -92,7 +92,10 @@ class SamplerState:
         self.d_stop = torch.zeros((S, max_stop_ids), dtype=torch.int64, device=dev)
         self.generated = torch.zeros(S, dtype=torch.int64, device=dev)  # tokens generated: min_tokens and the noise step
         self.counts: Optional[torch.Tensor] = None  # [S, V] int32, allocated when a slot first uses penalties
-        self.inexact_rows = torch.zeros((), dtype=torch.int64, device=dev)
+        # the kernel's per-row candidate scratch, and its count of rows that searched their whole row
+        self.cand_x = torch.empty((S, max_candidates), dtype=torch.float32, device=dev)
+        self.cand_i = torch.empty((S, max_candidates), dtype=torch.int32, device=dev)
+        self.fallback_rows = torch.zeros((), dtype=torch.int32, device=dev)
         self._pending: list[tuple[int, list[int], list[int], bool]] = []  # (slot, prompt, output, penalties)
         self._dirty = self._dirty_sparse = False
         self._variant = self._compute_variant()
@@ -177,21 +180,10 @@ class SamplerState:
         a = self.active
         temp, top_p, min_p, rep, pres, freq = self.h_f
         top_k, min_tokens, n_bias, n_stop, _ = self.h_i
-        sampled = a & (temp > 0)
-        k = int(top_k[sampled].max(initial=0))
-        if (sampled & (top_k == 0) & (top_p < 1)).any():
-            k = max(k, self.max_candidates)
         return (
-            bool(sampled.any()),  # any row samples
-            bool((a & (temp == 0)).any()),  # any greedy row
             bool((a & ((rep != 1) | (pres != 0) | (freq != 0))).any()),  # penalties
             int(n_bias[a].max(initial=0)),  # logit_bias width
             int(n_stop[a & (min_tokens > 0)].max(initial=0)),  # min_tokens stop-id width
-            min(k, self.vocab_size),  # candidates
-            bool((sampled & (top_p < 1)).any()),  # top-p
-            bool((sampled & (top_k == 0) & (top_p < 1)).any()),  # top-p over the whole vocabulary
-            bool((sampled & (min_p > 0)).any()),  # min_p
-            bool((sampled & (top_k == 0)).any()),  # a row races over the whole vocabulary
         )
 
     def variant(self) -> tuple:
@@ -266,7 +258,7 @@ class SamplerState:
         """logits [B, V] float32 (modified in place), slots [B] int64 on the device: row i belongs to
         slot ``slots[i]`` (distinct slots). Returns the sampled ids and, with ``num_logprobs`` > 0, the
         logprobs; then counts each sampled token for its slot's penalties, min_tokens and noise step."""
-        any_sampled, any_greedy, pen, n_bias, n_stop, k, top_p, top_p_full, min_p, full_race = self._variant
+        pen, n_bias, n_stop = self._variant
         B, V = logits.shape
         if V != self.vocab_size:
             raise ValueError(f"logits have {V} columns, the sampler was built for a vocabulary of {self.vocab_size}")
@@ -274,31 +266,16 @@ class SamplerState:
         x = logits
         if n_bias or n_stop:
             self._apply_sparse(x, slots, n_bias, n_stop)
-        if pen:
-            f = self.d_f
-            (K.penalties if self.use_triton else K.penalties_ref)(x, slots, self.counts, f[3], f[4], f[5])
-        temp = self.d_f[0][slots]
-        greedy = temp == 0
-        tau = None
-        if not any_sampled:
-            ids = x.argmax(dim=1)
-        else:
-            inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
-            tau, vals, idx = self._thresholds(x, slots, temp, inv_t, greedy, k, top_p, top_p_full, min_p)
-            race = K.race if self.use_triton else K.race_ref
-            steps, keys = self.generated, self.d_i[4]
-            if full_race or vals is None:
-                ids = race(x, None, slots, inv_t, tau, keys, steps)
-            else:
-                ids = race(vals, idx, slots, inv_t, tau, keys, steps)
-                if any_greedy:
-                    ids = torch.where(greedy, x.argmax(dim=1), ids)
+        run = K.sample if self.use_triton else K.sample_ref
+        ids, tau = run(x, slots, self.d_f, self.d_i, self.generated, self.counts if pen else None,
+                       self.cand_x, self.cand_i, self.fallback_rows)
         out = SampleOutput(ids)
         if num_logprobs:
             if raw is None:
+                temp = self.d_f[0][slots]
+                greedy = temp == 0
                 y = x * torch.where(greedy, 1.0, 1.0 / torch.where(greedy, 1.0, temp))[:, None]
-                if tau is not None:
-                    y = y.masked_fill(~(x >= tau[:, None]), float("-inf"))
+                y = y.masked_fill(~(x >= tau[:, None]), float("-inf"))
                 raw = y.log_softmax(dim=-1)
             out.logprobs = raw.gather(1, ids[:, None]).squeeze(1)
             out.top_logprobs, out.top_ids = raw.topk(min(num_logprobs, V), dim=1)
@@ -321,44 +298,6 @@ class SamplerState:
             adds.append(torch.where(valid, self.d_bias[slots, :n_bias], 0.0))
         x.scatter_add_(1, torch.cat(cols, 1) if len(cols) > 1 else cols[0],
                        torch.cat(adds, 1) if len(adds) > 1 else adds[0])
-
-    def _thresholds(self, x, slots, temp, inv_t, greedy, k, top_p, top_p_full, min_p):
-        """Each row's logit threshold tau (untempered): min_p, then top-k, then top-p over what
-        they kept. Greedy rows: -inf. Returns (tau, candidate values, candidate ids)."""
-        B = x.shape[0]
-        ninf = torch.full((B,), float("-inf"), device=x.device)
-        vals = idx = None
-        if k:
-            vals, idx = x.topk(k, dim=1)
-            m = vals[:, 0]
-        elif min_p:
-            m = x.amax(dim=1)
-        tau = ninf
-        if min_p:
-            mp = self.d_f[2][slots]
-            tau = torch.where(mp > 0, m + temp * torch.log(mp.clamp_min(1e-30)), ninf)
-        if k:
-            top_k = self.d_i[0][slots]
-            kth = vals.gather(1, (top_k.clamp(1, k) - 1)[:, None]).squeeze(1)
-            tau = torch.maximum(tau, torch.where(top_k > 0, kth, ninf))
-            if top_p:
-                p = self.d_f[1][slots]
-                w = torch.exp((vals - m[:, None]) * inv_t[:, None]) * (vals >= tau[:, None])
-                cum = w.cumsum(dim=1)
-                z = cum[:, -1]
-                if top_p_full:  # the mass of all that min_p kept, not just the candidates
-                    zf = torch.where(x >= tau[:, None], torch.exp((x - m[:, None]) * inv_t[:, None]), 0.0).sum(dim=1)
-                    z = torch.where(top_k > 0, z, zf)
-                keep = ((cum - w) < p[:, None] * z[:, None]) & (vals >= tau[:, None])
-                n = keep.sum(dim=1).clamp_min(1)
-                tau_p = vals.gather(1, (n - 1)[:, None]).squeeze(1)
-                reached = cum[:, -1] >= p * z * (1 - 1e-6)
-                frac = cum[:, -1] / z
-                tau_p = torch.where(reached | (frac >= p * p), tau_p, ninf)  # see module doc
-                use = (p < 1) & ~greedy
-                tau = torch.where(use, torch.maximum(tau, tau_p), tau)
-                self.inexact_rows += (use & ~reached).sum()
-        return torch.where(greedy, ninf, tau), vals, idx
 
     def _count(self, slots, ids, pen) -> None:
         if pen and self.counts is not None:

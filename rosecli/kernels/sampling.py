@@ -1,13 +1,28 @@
-"""Sampling kernels: penalties from per-slot token counts, and the exponential race with
-counter-based noise. Each has a plain-torch reference beside it that gives the same result.
+"""Sampling kernels: one fused Triton program per row does penalties, greedy argmax, the min_p / top-k /
+top-p threshold (exact, without sorting) and the exponential race with counter-based noise. A
+plain-torch reference (`sample_ref`, sorting) beside it gives the same result.
 
 Noise is a hash of (the slot's key, its step, the token id): the same (request seed, step) gives the
 same noise whatever the batch, the row, the device or the candidate set raced over, so a seeded
-request repeats exactly and racing over a top-k candidate set picks the same token as racing over
-the whole vocabulary restricted to those candidates. The race picks the token that maximises
+request repeats exactly and racing over a candidate set picks the same token as racing over the whole
+vocabulary restricted to those candidates. The race picks the token that maximises
 ``logit / T + Gumbel noise`` among tokens whose logit is at least the row's threshold ``tau``
-(that is softmax sampling restricted to them); a row with ``inv_t == 0`` is greedy: plain argmax,
-first index on ties, like ``torch.argmax``.
+(that is softmax sampling restricted to them); a greedy row (temperature 0) takes the argmax, first
+index on ties, like ``torch.argmax``.
+
+Filters (vLLM v1's order; each over what the previous kept), as one threshold ``tau`` on the logit:
+min_p keeps ``x >= max + T*log(min_p)`` (probability at least min_p times the largest); top-k keeps
+``x >= `` the k-th largest kept logit (ties at it are all kept); top-p keeps token j when the softmax
+mass of the kept tokens with a larger logit is below ``top_p`` (the smallest set of largest logits
+reaching top_p; ties at its last value are all kept).
+
+The kernel finds that threshold without sorting: pass 1 (penalties written back, max, argmax);
+pass 2 counts the tokens (and, for top-p without top-k, their mass) at 8 cutoffs below the max and
+picks the highest cutoff that cannot exclude a kept token and leaves at most ``C`` candidates (a few
+narrowing passes when none does); pass 3 copies those candidates to a scratch row; then a bisection
+on the float's bit pattern over the candidates finds the exact k-th value and top-p cut, and the race
+runs over the candidates only. A row whose cutoff cannot get under ``C`` candidates (a flat
+distribution, a huge tie) runs the same bisection and race over its whole row: slower, equally exact.
 """
 
 import torch
@@ -16,8 +31,10 @@ import triton.language as tl
 
 PROMPT_BIT = 1 << 30  # counts[slot, token]: bit 30 = token in the prompt, low 30 bits = times in the output
 M32 = 0xFFFFFFFF
-RACE_CHUNK = 8192  # tokens per race program: a 128k vocabulary is 16 programs per row
-PENALTY_BLOCK = 2048
+BLOCK = 4096  # tile of a pass over a row; the candidate scratch (at most BLOCK) is one tile
+PIVOT_BLOCK = 1024  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
+PIVOTS = 8
+REFINE = 4  # narrowing passes when no first-pass cutoff fits
 
 
 # --- noise (uint32 hash; the torch reference emulates uint32 in int64) -------------------------
@@ -63,7 +80,7 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-# --- race ---------------------------------------------------------------------------------------
+# --- reference ----------------------------------------------------------------------------------
 def race_ref(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, tau: torch.Tensor,
              keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """x: [B, N] float32 logits (untempered); tokens: [B, N] token ids of x's columns, or None for
@@ -79,65 +96,6 @@ def race_ref(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, 
     return tokens.gather(1, best).squeeze(1).long()
 
 
-@triton.jit
-def _race_kernel(x_ptr, x_stride, tok_ptr, tok_stride, score_ptr, id_ptr, slot_ptr, inv_t_ptr, tau_ptr,
-                 key_ptr, step_ptr, N, NSPLIT, CHUNK: tl.constexpr, HAS_TOK: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    slot = tl.load(slot_ptr + row)
-    inv_t = tl.load(inv_t_ptr + row)
-    tau = tl.load(tau_ptr + row)
-    key = tl.load(key_ptr + slot).to(tl.uint32)
-    step = tl.load(step_ptr + slot).to(tl.uint32)
-    key2 = _fmix32(key + step * 0x9E3779B1)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_id = tl.full((), 0, tl.int64)
-    for start in range(part * CHUNK, part * CHUNK + CHUNK, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < N
-        x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offs, mask=mask, other=float("-inf"))
-        if HAS_TOK:
-            tok = tl.load(tok_ptr + row.to(tl.int64) * tok_stride + offs, mask=mask, other=0)
-        else:
-            tok = offs
-        h = _fmix32((tok.to(tl.uint32) * 0x85EBCA77) ^ key2)
-        h = _fmix32(h ^ key)
-        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)
-        g = -tl.log(-tl.log(u))
-        score = tl.where(inv_t == 0, x, x * inv_t + g)
-        score = tl.where(mask & (x >= tau), score, float("-inf"))
-        m = tl.max(score, 0)
-        i = tl.argmax(score, 0)
-        t = tl.sum(tl.where(tl.arange(0, BLOCK) == i, tok.to(tl.int64), 0), 0)
-        take = m > best
-        best_id = tl.where(take, t, best_id)
-        best = tl.where(take, m, best)
-    tl.store(score_ptr + row * NSPLIT + part, best)
-    tl.store(id_ptr + row * NSPLIT + part, best_id)
-
-
-def race(x: torch.Tensor, tokens, slots, inv_t, tau, keys, steps) -> torch.Tensor:
-    """Triton version of `race_ref` (same arguments, same result)."""
-    B, N = x.shape
-    assert x.stride(1) == 1 and (tokens is None or tokens.stride(1) == 1)
-    chunk = min(RACE_CHUNK, triton.next_power_of_2(max(N, 16)))
-    nsplit = triton.cdiv(N, chunk)
-    scores = torch.empty((B, nsplit), dtype=torch.float32, device=x.device)
-    ids = torch.empty((B, nsplit), dtype=torch.int64, device=x.device)
-    if B == 0:
-        return ids[:, 0]
-    block = min(chunk, 2048)
-    inv_t, tau = inv_t.contiguous(), tau.contiguous()
-    _race_kernel[(B, nsplit)](
-        x, x.stride(0), tokens if tokens is not None else x, tokens.stride(0) if tokens is not None else 0,
-        scores, ids, slots, inv_t, tau, keys, steps, N, nsplit,
-        CHUNK=chunk, HAS_TOK=tokens is not None, BLOCK=block, num_warps=8)
-    if nsplit == 1:
-        return ids[:, 0]
-    return ids.gather(1, scores.argmax(dim=1, keepdim=True)).squeeze(1)
-
-
-# --- penalties ----------------------------------------------------------------------------------
 def penalties_ref(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
                   pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
     """In place on x [B, V]: repetition penalty over prompt and output tokens (divide a positive
@@ -152,31 +110,295 @@ def penalties_ref(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, re
     return x
 
 
+def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Each row's logit threshold tau (module doc) by sorting; -inf for greedy rows (temp 0)."""
+    B, V = x.shape
+    ninf = torch.full((B,), float("-inf"), device=x.device)
+    greedy = temp == 0
+    inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
+    m = x.amax(dim=1)
+    tau = torch.where(min_p > 0, m + temp * torch.log(min_p.clamp_min(1e-30)), ninf)
+    sampled = ~greedy
+    uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
+    if bool((uses_k | uses_p).any()):
+        if bool((uses_p & ~uses_k).any()):
+            srt = x.sort(dim=1, descending=True).values
+        else:  # every row that filters has a top_k: its k largest are enough
+            srt = x.topk(min(int(top_k[uses_k].max()), V), dim=1).values
+        kept = srt >= tau[:, None]
+        kth = srt.gather(1, (top_k.clamp(1, srt.shape[1]) - 1)[:, None]).squeeze(1)
+        tau = torch.where(uses_k & (kept.sum(dim=1) >= top_k), torch.maximum(tau, kth), tau)
+        kept = srt >= tau[:, None]
+        w = torch.where(kept, torch.exp((srt - m[:, None]) * inv_t[:, None]), 0.0)
+        cum = w.cumsum(dim=1)
+        keep = kept & ((cum - w) < top_p[:, None] * w.sum(dim=1, keepdim=True))
+        tau_p = srt.gather(1, (keep.sum(dim=1).clamp_min(1) - 1)[:, None]).squeeze(1)
+        tau = torch.where(uses_p, torch.maximum(tau, tau_p), tau)
+    return torch.where(greedy, ninf, tau)
+
+
+def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None):
+    """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches)."""
+    if counts is not None:
+        penalties_ref(x, slots, counts, f[3], f[4], f[5])
+    temp = f[0][slots]
+    tau = thresholds_ref(x, temp, i[0][slots], f[1][slots], f[2][slots])
+    inv_t = torch.where(temp == 0, 0.0, 1.0 / torch.where(temp == 0, 1.0, temp))
+    return race_ref(x, None, slots, inv_t, tau, i[4], steps), tau
+
+
+# --- the fused kernel ---------------------------------------------------------------------------
 @triton.jit
-def _penalty_kernel(x_ptr, x_stride, slot_ptr, cnt_ptr, rep_ptr, pres_ptr, freq_ptr, V,
-                    PROMPT: tl.constexpr, BLOCK: tl.constexpr):
+def _key_of(c):
+    """float32 -> int64 whose order is the floats' order."""
+    b = c.to(tl.int32, bitcast=True)
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b.to(tl.int64)
+
+
+@triton.jit
+def _float_of(k):
+    b = k.to(tl.int32)
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_mass(ptr, n, xt, wt, c, m, inv_t, WITH_MASS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of x = ptr[:n] are >= c, and (WITH_MASS) their softmax weight exp((x - m) / T).
+    TILE: x is the register tile xt (n <= BLOCK) with weights wt, no load."""
+    if TILE:
+        ge = (tl.arange(0, BLOCK) < n) & (xt >= c)
+        cnt = tl.sum(ge.to(tl.int32), 0)
+        if WITH_MASS:
+            mass = tl.sum(tl.where(ge, wt, 0.0), 0)
+        else:
+            mass = 0.0
+    else:
+        acc_c = tl.zeros([BLOCK], tl.int32)
+        acc_m = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(ptr + offs, mask=mask, other=float("-inf"))
+            ge = mask & (x >= c)
+            acc_c += ge.to(tl.int32)
+            if WITH_MASS:
+                acc_m += tl.where(ge, tl.exp((x - m) * inv_t), 0.0)
+        cnt = tl.sum(acc_c, 0)
+        mass = tl.sum(acc_m, 0)
+    return cnt, mass
+
+
+@triton.jit
+def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, BY_MASS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target),
+    by bisection on the bit pattern; lo is assumed to qualify and hi not. The answer is a value of x."""
+    lo_k = _key_of(lo)
+    hi_k = _key_of(hi)
+    while hi_k - lo_k > 1:
+        mid = lo_k + (hi_k - lo_k) // 2
+        cnt, mass = _count_mass(ptr, n, xt, wt, _float_of(mid), m, inv_t, BY_MASS, TILE, BLOCK)
+        if BY_MASS:
+            ok = mass >= target
+        else:
+            ok = cnt >= k
+        lo_k = tl.where(ok, mid, lo_k)
+        hi_k = tl.where(ok, hi_k, mid)
+    return _float_of(lo_k)
+
+
+@triton.jit
+def _noise_score(x, tok, inv_t, key, key2):
+    h = _fmix32((tok.to(tl.uint32) * 0x85EBCA77) ^ key2)
+    h = _fmix32(h ^ key)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)
+    return x * inv_t - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _race(ptr, n, tau, inv_t, key, key2, BLOCK: tl.constexpr):
+    """argmax over x = ptr[:n] >= tau of x / T + Gumbel(hash(key, step, token)); first on ties."""
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 0, tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(ptr + offs, mask=mask, other=float("-inf"))
+        score = tl.where(mask & (x >= tau), _noise_score(x, offs, inv_t, key, key2), float("-inf"))
+        mx = tl.max(score, 0)
+        i = tl.argmax(score, 0)
+        take = mx > best
+        best_id = tl.where(take, (start + i).to(tl.int64), best_id)
+        best = tl.where(take, mx, best)
+    return best_id
+
+
+@triton.jit
+def _pivot_counts(xrow, V, c, m, inv_t, tau_minp, WITH_MASS: tl.constexpr, BLOCK: tl.constexpr,
+                  P: tl.constexpr):
+    """For each of the P cutoffs c: how many x >= c and (WITH_MASS) their weight; and the weight of
+    x >= tau_minp (what min_p kept)."""
+    acc_c = tl.zeros([BLOCK, P], tl.int32)
+    acc_m = tl.zeros([BLOCK, P], tl.float32)
+    acc_z = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
+        ge = (x[:, None] >= c[None, :]) & mask[:, None]
+        acc_c += ge.to(tl.int32)
+        if WITH_MASS:
+            w = tl.exp((x - m) * inv_t)
+            acc_m += tl.where(ge, w[:, None], 0.0)
+            acc_z += tl.where(mask & (x >= tau_minp), w, 0.0)
+    return tl.sum(acc_c, 0), tl.sum(acc_m, 0), tl.sum(acc_z, 0)
+
+
+@triton.jit
+def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, TILE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Exact top-k / top-p threshold over x = ptr[:n] (or the tile xt), which holds every token >= lo;
+    lo cannot exclude a kept token, hi is above the answer."""
+    t = tau_minp
+    if top_k > 0:
+        cnt, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
+        if cnt >= top_k:
+            t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, lo, hi, top_k, 0.0, m, inv_t, False, TILE, BLOCK))
+    if top_p < 1.0:
+        if top_k > 0:  # top-p over what top-k kept: all of it is here
+            _, z = _count_mass(ptr, n, xt, wt, t, m, inv_t, True, TILE, BLOCK)
+            hi_p = _float_of(_key_of(m) + 1)
+        else:  # over what min_p kept, counted on the whole row
+            z = z_a
+            hi_p = hi
+        t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, tl.maximum(t, lo), hi_p, 0, top_p * z, m, inv_t, True,
+                                       TILE, BLOCK))
+    return t
+
+
+@triton.jit
+def _sample_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, cnt_ptr, cx_ptr, ci_ptr, C,
+                   out_ptr, tau_ptr, fb_ptr, PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr,
+                   PB: tl.constexpr, P: tl.constexpr, REFINE: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
-    rep = tl.load(rep_ptr + slot)
-    pres = tl.load(pres_ptr + slot)
-    freq = tl.load(freq_ptr + slot)
-    if (rep != 1.0) | (pres != 0.0) | (freq != 0.0):  # rows without penalties read nothing
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    temp = tl.load(f_ptr + slot)
+    xrow = x_ptr + row.to(tl.int64) * x_stride
+    # pass 1: penalties (written back), max, first argmax, smallest finite value
+    m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+    lo_vec = tl.full([BLOCK], float("inf"), tl.float32)
+    i_vec = tl.zeros([BLOCK], tl.int32)
+    if PEN:
+        rep = tl.load(f_ptr + 3 * S + slot)
+        pres = tl.load(f_ptr + 4 * S + slot)
+        freq = tl.load(f_ptr + 5 * S + slot)
+        pen_row = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
         mask = offs < V
-        xp = x_ptr + row.to(tl.int64) * x_stride + offs
-        x = tl.load(xp, mask=mask, other=0.0)
-        c = tl.load(cnt_ptr + slot.to(tl.int64) * V + offs, mask=mask, other=0)
-        n = (c & (PROMPT - 1)).to(tl.float32)
-        x = tl.where(c != 0, tl.where(x > 0, x / rep, x * rep), x)
-        x = x - freq * n - tl.where(n > 0, pres, 0.0)
-        tl.store(xp, x, mask=mask)
+        x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
+        if PEN:
+            if pen_row:
+                seen = tl.load(cnt_ptr + slot.to(tl.int64) * V + offs, mask=mask, other=0)
+                nout = (seen & (PROMPT - 1)).to(tl.float32)
+                x = tl.where(seen != 0, tl.where(x > 0, x / rep, x * rep), x)
+                x = x - freq * nout - tl.where(nout > 0, pres, 0.0)
+                tl.store(xrow + offs, x, mask=mask)
+        upd = x > m_vec
+        m_vec = tl.where(upd, x, m_vec)
+        i_vec = tl.where(upd, offs, i_vec)
+        lo_vec = tl.minimum(lo_vec, tl.where(x > float("-inf"), x, float("inf")))
+    m = tl.max(m_vec, 0)
+    res = tl.min(tl.where(m_vec == m, i_vec, V), 0).to(tl.int64)
+    tau = tl.full((), float("-inf"), tl.float32)
+    if temp > 0:
+        tl.debug_barrier()  # penalised logits written above are read below by other threads
+        inv_t = 1.0 / temp
+        top_p = tl.load(f_ptr + S + slot)
+        min_p = tl.load(f_ptr + 2 * S + slot)
+        top_k = tl.load(i_ptr + slot)
+        key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+        step = tl.load(step_ptr + slot).to(tl.uint32)
+        key2 = _fmix32(key + step * 0x9E3779B1)
+        tau_minp = tl.where(min_p > 0, m + temp * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+        if (top_k > 0) | (top_p < 1.0):
+            # cutoffs: P below the max (tempered distances 0.5 .. 32, and none), then narrowing
+            j = tl.arange(0, P)
+            d = tl.where(j == P - 1, float("inf"), 0.5 * tl.exp2(j.to(tl.float32)))
+            lo = tl.full((), float("-inf"), tl.float32)
+            hi = _float_of(_key_of(m) + 1)
+            cstar = lo
+            z_a = tl.full((), 0.0, tl.float32)
+            found = 0
+            it = 0
+            while (found == 0) & (it <= REFINE):
+                first = tl.maximum(m - d * temp, tau_minp)
+                frac = (j + 1).to(tl.float32) / (P + 1)
+                lo_f = tl.where(lo == float("-inf"), m, lo)  # (it == 0: unused)
+                c = tl.where(it == 0, first, tl.maximum(lo_f + (hi - lo_f) * frac, tau_minp))
+                if top_k > 0:
+                    cnt, mass, za = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, False, PB, P)
+                else:
+                    cnt, mass, za = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, True, PB, P)
+                z_a = tl.where(it == 0, za, z_a)
+                valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
+                ok = valid & (cnt <= C)
+                found = tl.sum(ok.to(tl.int32), 0)
+                cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
+                lo = tl.maximum(lo, tl.max(tl.where(valid, c, float("-inf")), 0))
+                hi = tl.minimum(hi, tl.min(tl.where(valid, float("inf"), c), 0))
+                lo = tl.where(lo == float("-inf"), tl.minimum(tl.min(lo_vec, 0), m), lo)
+                it += 1
+            if found > 0:
+                # pass 3: the candidates (x >= cstar, at most C) to the scratch row, in token order
+                cx = cx_ptr + row.to(tl.int64) * C
+                ci = ci_ptr + row.to(tl.int64) * C
+                n_c = 0
+                for start in range(0, V, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < V
+                    x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
+                    pred = mask & (x >= cstar)
+                    pos = n_c + tl.cumsum(pred.to(tl.int32), 0) - 1
+                    tl.store(cx + pos, x, mask=pred)
+                    tl.store(ci + pos, offs, mask=pred)
+                    n_c += tl.sum(pred.to(tl.int32), 0)
+                tl.debug_barrier()
+                lane = tl.arange(0, BLOCK)
+                xt = tl.load(cx + lane, mask=lane < n_c, other=float("-inf"))
+                wt = tl.exp((xt - m) * inv_t)
+                tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, True, BLOCK)
+                score = tl.where((lane < n_c) & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=lane < n_c,
+                                 other=0), inv_t, key, key2), float("-inf"))
+                res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
+            else:
+                tl.atomic_add(fb_ptr, 1)
+                tau = _threshold(xrow, V, m_vec, m_vec, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+                res = _race(xrow, V, tau, inv_t, key, key2, BLOCK)
+        else:
+            tau = tau_minp
+            res = _race(xrow, V, tau, inv_t, key, key2, BLOCK)
+    tl.store(out_ptr + row, res)
+    tl.store(tau_ptr + row, tau)
 
 
-def penalties(x, slots, counts, rep, pres, freq) -> torch.Tensor:
-    """Triton version of `penalties_ref` (same arguments, same result, in place)."""
+def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
+    """x [B, V] float32 logits (penalties applied in place), slots [B] int64; per slot: f [6, S] float32
+    (temperature, top_p, min_p, repetition, presence, frequency penalty), i [5, S] int64 (top_k, ..,
+    noise key in row 4), steps [S] int64; counts [S, V] int32 or None (no penalties); cand_x [>=B, C]
+    float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows that could not use
+    candidates. -> (token ids [B] int64, tau [B] float32). Same result as `sample_ref`."""
     B, V = x.shape
-    assert x.stride(1) == 1 and counts.shape[1] == V
+    assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous() and cand_x.shape[1] <= BLOCK
+    ids = torch.empty(B, dtype=torch.int64, device=x.device)
+    tau = torch.empty(B, dtype=torch.float32, device=x.device)
     if B:
-        _penalty_kernel[(B, triton.cdiv(V, PENALTY_BLOCK))](
-            x, x.stride(0), slots, counts, rep, pres, freq, V, PROMPT=PROMPT_BIT, BLOCK=PENALTY_BLOCK, num_warps=8)
-    return x
+        _sample_kernel[(B,)](
+            x, x.stride(0), V, slots, f, i, f.shape[1], steps, counts if counts is not None else x,
+            cand_x, cand_i, cand_x.shape[1], ids, tau, fallback,
+            PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=BLOCK, PB=PIVOT_BLOCK, P=PIVOTS, REFINE=REFINE,
+            num_warps=8)
+    return ids, tau

@@ -102,7 +102,8 @@ def main():
             rows[-1]["fallback_rows"] = int(st.fallback_rows.item())  # of B, searched their whole row
             if B == a.batch and name == FLAT[0]:
                 copy_us, _ = gpu_us(lambda: logits.copy_(base), a.iters)
-                rows.append(dict(vocab=V, batch=B, case="(logits.copy_ included above)", eager_gpu_us=round(copy_us, 1)))
+                rows.append(dict(vocab=V, batch=B, case="(logits.copy_ included above)",
+                                 eager_gpu_us=round(copy_us, 1)))
                 print(rows[-1], flush=True)
     if a.out:
         with open(a.out, "w") as f:

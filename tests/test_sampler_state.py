@@ -196,6 +196,21 @@ def test_sample_kernel_exact_beyond_its_candidates():
     x[3] = torch.randint(0, 3, (4000,)).float()  # three distinct values
     x[5, 100:] = float("-inf")  # min_tokens / logit_bias holding most of the vocabulary back
     assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=32) >= 3
+    # a nucleus of thousands of tokens: more candidates than one register tile (searched in the scratch)
+    x, slots, f, i, steps, counts = _kernel_case([(1.0, 0, 0.2, 0.0), (1.0, 5000, 1.0, 0.0)], 30000, scale=0.05)
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=2 * K.BLOCK)
+
+
+def test_sample_kernel_ties_take_the_first_token():
+    """Greedy rows take the first of tied maxima, also when they lie in different chunks of the row;
+    a top-k row keeps every token tied at its k-th value."""
+    x, slots, f, i, steps, counts = _kernel_case([(0.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 2, 1.0, 0.0)], 20000)
+    x[:2, [3000, 7000, 19000]] = 50.0
+    x[1, 3000] = 49.0
+    x[2, [100, 12000, 15000]] = 50.0  # top_k 2: all three tie
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=64)
+    ids, _ = K.sample_ref(x.clone(), slots, f, i, steps, counts)
+    assert ids[:2].tolist() == [3000, 7000] and ids[2].item() in (100, 12000, 15000)
 
 
 def test_min_tokens_holds_back_eos_and_stop_ids():
@@ -237,6 +252,10 @@ def test_logit_bias_and_bad_ids():
         st.acquire(P(logit_bias={48: 1.0}))
     with pytest.raises(ValueError, match="at most 300"):
         st.acquire(P(logit_bias={i: 1.0 for i in range(301)}))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0"):
+        st.acquire(P(temperature=1.0, top_p=0.0))
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\], got 1.5"):
+        st.acquire(P(temperature=1.0, min_p=1.5))
 
 
 def test_logprobs_raw_and_processed():

@@ -12,12 +12,12 @@ min_tokens tokens were generated) and logit_bias; repetition, frequency, presenc
 for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
 top-k, top-p (each over what the previous kept, renormalised), then softmax sampling.
 
-No vocabulary sort on the GPU: one Triton program per row (`rosecli.kernels.sampling.sample`) applies
-the penalties, takes the greedy argmax, finds each row's filters as one exact logit threshold ``tau``
-by counting passes and a bisection over at most `max_candidates` candidates, and runs the race over
-them. A row whose candidates cannot be cut to `max_candidates` (a flat distribution) gets the same
-exact answer from a slower bisection over its whole row; `fallback_rows` counts such rows. On the CPU
-the plain-torch reference (`sample_ref`, which sorts) gives the same result.
+No vocabulary sort on the GPU: `rosecli.kernels.sampling.sample` (four Triton launches) applies the
+penalties, takes the greedy argmax, finds each row's filters as one exact logit threshold ``tau`` by
+counting passes and a bisection over at most `max_candidates` candidates, and runs the race over them.
+A row whose first cutoffs leave more than `max_candidates` candidates (a flat distribution) gets the
+same exact answer from a slower search over its whole row; `fallback_rows` counts such rows. On the
+CPU the plain-torch reference (`sample_ref`, which sorts) gives the same result.
 
 Logprobs (vLLM's documented default, ``logprobs_mode="raw_logprobs"``): log_softmax of the model's
 logits as they came in, before bias, penalties, temperature and filtering. ``"processed"`` (vLLM's
@@ -61,11 +61,11 @@ _I = ("top_k", "min_tokens", "n_bias", "n_stop", "key")
 
 class SamplerState:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device, seed: int = 0,
-                 max_stop_ids: int = 1040, max_candidates: int = 4096, logprobs_mode: str = "raw"):
+                 max_stop_ids: int = 1040, max_candidates: int = 16384, logprobs_mode: str = "raw"):
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        if not 1 <= max_candidates <= K.BLOCK:
-            raise ValueError(f"max_candidates must be in 1..{K.BLOCK}, got {max_candidates}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be at least 1, got {max_candidates}")
         self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, torch.device(device)
         self.max_stop_ids, self.max_candidates, self.logprobs_mode = max_stop_ids, max_candidates, logprobs_mode
         self.seed = seed
@@ -125,6 +125,11 @@ class SamplerState:
         rep = float(g("repetition_penalty", 1.0))
         if not rep > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {rep!r}")
+        top_p, min_p = float(g("top_p", 1.0)), float(g("min_p", 0.0) or 0.0)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
         bias = dict(g("logit_bias", None) or {})
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
@@ -146,7 +151,7 @@ class SamplerState:
         else:
             key = K.fmix32_int(K.fmix32_int(seed & K.M32) ^ K.fmix32_int((seed >> 32) ^ _SEEDED_DOMAIN))
         slot = self._free.pop()
-        f = (temp, float(g("top_p", 1.0)), float(g("min_p", 0.0) or 0.0), rep,
+        f = (temp, top_p, min_p, rep,
              float(g("presence_penalty", 0.0) or 0.0), float(g("frequency_penalty", 0.0) or 0.0))
         self.h_f[:, slot] = f
         self.h_i[:, slot] = (top_k, min_tokens, len(bias_ids), len(stop_ids), key)

@@ -1,6 +1,6 @@
-"""Sampling kernels: one fused Triton program per row does penalties, greedy argmax, the min_p / top-k /
-top-p threshold (exact, without sorting) and the exponential race with counter-based noise. A
-plain-torch reference (`sample_ref`, sorting) beside it gives the same result.
+"""Sampling kernels: four Triton launches do penalties, greedy argmax, the min_p / top-k / top-p
+threshold (exact, without sorting) and the exponential race with counter-based noise. A plain-torch
+reference (`sample_ref`, sorting) beside it gives the same result.
 
 Noise is a hash of (the slot's key, its step, the token id): the same (request seed, step) gives the
 same noise whatever the batch, the row, the device or the candidate set raced over, so a seeded
@@ -16,13 +16,15 @@ min_p keeps ``x >= max + T*log(min_p)`` (probability at least min_p times the la
 mass of the kept tokens with a larger logit is below ``top_p`` (the smallest set of largest logits
 reaching top_p; ties at its last value are all kept).
 
-The kernel finds that threshold without sorting: pass 1 (penalties written back, max, argmax);
-pass 2 counts the tokens (and, for top-p without top-k, their mass) at 8 cutoffs below the max and
-picks the highest cutoff that cannot exclude a kept token and leaves at most ``C`` candidates (a few
-narrowing passes when none does); pass 3 copies those candidates to a scratch row; then a bisection
-on the float's bit pattern over the candidates finds the exact k-th value and top-p cut, and the race
-runs over the candidates only. A row whose cutoff cannot get under ``C`` candidates (a flat
-distribution, a huge tie) runs the same bisection and race over its whole row: slower, equally exact.
+The kernels find that threshold without sorting, each row split into chunks over the GPU for the
+passes over the vocabulary: pass 1 (penalties written back, max, argmax); pass 2 counts the tokens
+(and, for top-p without top-k, their mass) at 8 cutoffs below the max; pass 3 picks the highest cutoff
+that cannot exclude a kept token and leaves at most ``C`` candidates, and copies them to a scratch row
+(a row without top-k/top-p races its chunks instead); then one program per row runs a bisection on
+the float's bit pattern over its candidates (registers) for the exact k-th value and top-p cut, and
+the race over them (more than 4096 candidates: over the scratch row). A row no cutoff fits (a flat
+distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
+over its whole row: slower, equally exact.
 """
 
 import torch
@@ -31,8 +33,9 @@ import triton.language as tl
 
 PROMPT_BIT = 1 << 30  # counts[slot, token]: bit 30 = token in the prompt, low 30 bits = times in the output
 M32 = 0xFFFFFFFF
-BLOCK = 4096  # tile of a pass over a row; the candidate scratch (at most BLOCK) is one tile
-PIVOT_BLOCK = 1024  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
+BLOCK = 4096  # tile of a pass over a row; up to BLOCK candidates are searched in registers
+SPLIT_BLOCK = 2048  # tile of the passes split over chunks of a row
+PIVOT_BLOCK = 512  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
 PIVOTS = 8
 REFINE = 4  # narrowing passes when no first-pass cutoff fits
 
@@ -194,11 +197,14 @@ def _count_mass(ptr, n, xt, wt, c, m, inv_t, WITH_MASS: tl.constexpr, TILE: tl.c
 @triton.jit
 def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, BY_MASS: tl.constexpr, TILE: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target),
-    by bisection on the bit pattern; lo is assumed to qualify and hi not. The answer is a value of x."""
+    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target);
+    lo is assumed to qualify and hi not. Bisection on the bit pattern until one value of x is left in
+    [lo, hi): the answer is that value, the smallest x >= lo."""
     lo_k = _key_of(lo)
     hi_k = _key_of(hi)
-    while hi_k - lo_k > 1:
+    n_lo, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
+    n_hi, _ = _count_mass(ptr, n, xt, wt, hi, m, inv_t, False, TILE, BLOCK)
+    while (hi_k - lo_k > 1) & (n_lo - n_hi > 1):
         mid = lo_k + (hi_k - lo_k) // 2
         cnt, mass = _count_mass(ptr, n, xt, wt, _float_of(mid), m, inv_t, BY_MASS, TILE, BLOCK)
         if BY_MASS:
@@ -207,7 +213,24 @@ def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, BY_MASS: tl.conste
             ok = cnt >= k
         lo_k = tl.where(ok, mid, lo_k)
         hi_k = tl.where(ok, hi_k, mid)
-    return _float_of(lo_k)
+        n_lo = tl.where(ok, cnt, n_lo)
+        n_hi = tl.where(ok, n_hi, cnt)
+    return _min_at_least(ptr, n, xt, _float_of(lo_k), TILE, BLOCK)
+
+
+@triton.jit
+def _min_at_least(ptr, n, xt, c, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The smallest x >= c (c itself when none is)."""
+    if TILE:
+        best = tl.min(tl.where((tl.arange(0, BLOCK) < n) & (xt >= c), xt, float("inf")), 0)
+    else:
+        acc = tl.full([BLOCK], float("inf"), tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(ptr + offs, mask=offs < n, other=float("-inf"))
+            acc = tl.minimum(acc, tl.where((offs < n) & (x >= c), x, float("inf")))
+        best = tl.min(acc, 0)
+    return tl.where(best == float("inf"), c, best)
 
 
 @triton.jit
@@ -219,21 +242,26 @@ def _noise_score(x, tok, inv_t, key, key2):
 
 
 @triton.jit
-def _race(ptr, n, tau, inv_t, key, key2, BLOCK: tl.constexpr):
-    """argmax over x = ptr[:n] >= tau of x / T + Gumbel(hash(key, step, token)); first on ties."""
+def _race(ptr, n, base, tau, inv_t, key, key2, BLOCK: tl.constexpr, id_ptr=None, HAS_IDS: tl.constexpr = False):
+    """argmax over x = ptr[:n] >= tau (tokens base..base+n-1, or HAS_IDS: id_ptr[:n], increasing) of
+    x / T + Gumbel(hash(key, step, token)), first on ties. -> (best score, its token id)."""
     best = tl.full((), float("-inf"), tl.float32)
     best_id = tl.full((), 0, tl.int64)
     for start in range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(ptr + offs, mask=mask, other=float("-inf"))
-        score = tl.where(mask & (x >= tau), _noise_score(x, offs, inv_t, key, key2), float("-inf"))
+        if HAS_IDS:
+            tok = tl.load(id_ptr + offs, mask=mask, other=0)
+        else:
+            tok = base + offs
+        score = tl.where(mask & (x >= tau), _noise_score(x, tok, inv_t, key, key2), float("-inf"))
         mx = tl.max(score, 0)
         i = tl.argmax(score, 0)
         take = mx > best
-        best_id = tl.where(take, (start + i).to(tl.int64), best_id)
+        best_id = tl.where(take, tl.sum(tl.where(tl.arange(0, BLOCK) == i, tok, 0), 0).to(tl.int64), best_id)
         best = tl.where(take, mx, best)
-    return best_id
+    return best, best_id
 
 
 @triton.jit
@@ -280,25 +308,140 @@ def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, TI
 
 
 @triton.jit
-def _sample_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, cnt_ptr, cx_ptr, ci_ptr, C,
-                   out_ptr, tau_ptr, fb_ptr, PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr,
-                   PB: tl.constexpr, P: tl.constexpr, REFINE: tl.constexpr):
+def _first_pivots(m, temp, tau_minp, P: tl.constexpr):
+    """P cutoffs below the max: tempered distances 0.5, 1, 2, .. 32 and none (what min_p kept)."""
+    j = tl.arange(0, P)
+    d = tl.where(j == P - 1, float("inf"), 0.5 * tl.exp2(j.to(tl.float32)))
+    return tl.maximum(m - d * temp, tau_minp)
+
+
+@triton.jit
+def _tau_minp(m, temp, min_p):
+    return tl.where(min_p > 0, m + temp * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+
+
+@triton.jit
+def _row_max(pmax_ptr, row, split, SP2: tl.constexpr):
+    j = tl.arange(0, SP2)
+    return tl.max(tl.load(pmax_ptr + row * split + j, mask=j < split, other=float("-inf")), 0)
+
+
+@triton.jit
+def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C, P: tl.constexpr):
+    """From the chunks' counts at the cutoffs c: whether one keeps every token the filters keep and at
+    most C candidates (found), the highest such (cstar, its index jstar, its count n_c), the bracket
+    (lo qualifies, hi does not) and the weight z_a of what min_p kept. Sums in chunk order: every
+    kernel that calls this gets the same answer."""
+    pj = tl.arange(0, P)
+    cnt = tl.zeros([P], tl.int32)
+    mass = tl.zeros([P], tl.float32)
+    z_a = tl.full((), 0.0, tl.float32)
+    for s in range(0, split):
+        at = (row * split + s).to(tl.int64)
+        cnt += tl.load(pc_ptr + at * P + pj)
+        mass += tl.load(pm_ptr + at * P + pj)
+        z_a += tl.load(pz_ptr + at)
+    valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
+    ok = valid & (cnt <= C)
+    found = tl.sum(ok.to(tl.int32), 0)
+    cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
+    jstar = tl.max(tl.where(ok & (c == cstar), pj, -1), 0)
+    n_c = tl.sum(tl.where(pj == jstar, cnt, 0), 0)
+    lo = tl.max(tl.where(valid, c, float("-inf")), 0)
+    hi = tl.minimum(tl.min(tl.where(valid, float("inf"), c), 0), _float_of(_key_of(m) + 1))
+    return found, cstar, jstar, n_c, lo, hi, z_a
+
+
+@triton.jit
+def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
+    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in registers when
+    they fit one tile, else over the scratch row."""
+    if n_c <= BLOCK:
+        lane = tl.arange(0, BLOCK)
+        mask = lane < n_c
+        xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
+        wt = tl.exp((xt - m) * inv_t)
+        tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, True, BLOCK)
+        score = tl.where(mask & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=mask, other=0), inv_t, key,
+                                                          key2), float("-inf"))
+        res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
+    else:
+        dummy = tl.zeros([BLOCK], tl.float32)
+        tau = _threshold(cx, n_c, dummy, dummy, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+        _, res = _race(cx, n_c, 0, tau, inv_t, key, key2, BLOCK, ci, True)
+    return tau, res
+
+
+@triton.jit
+def _compact(xrow, lo, n, cstar, cx, ci, at, BLOCK: tl.constexpr):
+    """Copy x >= cstar of xrow[lo:lo+n] to cx[at:] (token ids to ci), in token order. -> the end."""
+    at = tl.full((), 0, tl.int32) + at
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(xrow + lo + offs, mask=mask, other=float("-inf"))
+        pred = mask & (x >= cstar)
+        pos = at + tl.cumsum(pred.to(tl.int32), 0) - 1
+        tl.store(cx + pos, x, mask=pred)
+        tl.store(ci + pos, lo + offs, mask=pred)
+        at += tl.sum(pred.to(tl.int32), 0)
+    return at
+
+
+@triton.jit
+def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p, cx, ci, C,
+            BLOCK: tl.constexpr, PB: tl.constexpr, P: tl.constexpr, REFINE: tl.constexpr):
+    """A row no first cutoff fitted: narrow [lo, hi) with up to REFINE passes of P cutoffs over the
+    whole row; a cutoff that fits has its candidates copied to cx/ci.
+    -> (found, cutoff, candidates, lo, hi)."""
+    frac = (tl.arange(0, P) + 1).to(tl.float32) / (P + 1)
+    lo = tl.where(lo == float("-inf"), tl.minimum(lo_min, m), lo)
+    cstar = lo
+    found = 0
+    it = 0
+    while (found == 0) & (it < REFINE):
+        c = tl.maximum(lo + (hi - lo) * frac, tau_minp)
+        if top_k > 0:
+            cnt, mass, _ = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, False, PB, P)
+        else:
+            cnt, mass, _ = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, True, PB, P)
+        valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
+        ok = valid & (cnt <= C)
+        found = tl.sum(ok.to(tl.int32), 0)
+        cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
+        lo = tl.maximum(lo, tl.max(tl.where(valid, c, float("-inf")), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(valid, float("inf"), c), 0))
+        it += 1
+    n_c = tl.full((), 0, tl.int32)
+    if found > 0:
+        n_c = _compact(xrow, 0, V, cstar, cx, ci, 0, BLOCK)
+        tl.debug_barrier()  # written above by all threads, read next by others
+    return found, cstar, n_c, lo, hi
+
+
+# Four launches; the row is split into `split` chunks of CH tokens for the passes over it.
+@triton.jit
+def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr, pidx_ptr, pmin_ptr,
+                  PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per chunk: penalties (written back), max, its first index, smallest finite value."""
     row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
     slot = tl.load(slot_ptr + row)
-    temp = tl.load(f_ptr + slot)
     xrow = x_ptr + row.to(tl.int64) * x_stride
-    # pass 1: penalties (written back), max, first argmax, smallest finite value
+    lo = s * CH
+    end = tl.minimum(lo + CH, V)
     m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
-    lo_vec = tl.full([BLOCK], float("inf"), tl.float32)
+    min_vec = tl.full([BLOCK], float("inf"), tl.float32)
     i_vec = tl.zeros([BLOCK], tl.int32)
     if PEN:
         rep = tl.load(f_ptr + 3 * S + slot)
         pres = tl.load(f_ptr + 4 * S + slot)
         freq = tl.load(f_ptr + 5 * S + slot)
         pen_row = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
-    for start in range(0, V, BLOCK):
+    for start in range(lo, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < V
+        mask = offs < end
         x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
         if PEN:
             if pen_row:
@@ -310,95 +453,182 @@ def _sample_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, cnt_
         upd = x > m_vec
         m_vec = tl.where(upd, x, m_vec)
         i_vec = tl.where(upd, offs, i_vec)
-        lo_vec = tl.minimum(lo_vec, tl.where(x > float("-inf"), x, float("inf")))
+        min_vec = tl.minimum(min_vec, tl.where(x > float("-inf"), x, float("inf")))
     m = tl.max(m_vec, 0)
-    res = tl.min(tl.where(m_vec == m, i_vec, V), 0).to(tl.int64)
+    at = row * split + s
+    tl.store(pmax_ptr + at, m)
+    tl.store(pidx_ptr + at, tl.min(tl.where(m_vec == m, i_vec, V), 0))
+    tl.store(pmin_ptr + at, tl.min(min_vec, 0))
+
+
+@triton.jit
+def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, piv_ptr, pc_ptr, pm_ptr, pz_ptr,
+                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr):
+    """Per chunk of a row that filters by top-k or top-p: counts (and weights) at the first cutoffs."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    top_p = tl.load(f_ptr + S + slot)
+    top_k = tl.load(i_ptr + slot)
+    if (temp > 0) & ((top_k > 0) | (top_p < 1.0)):
+        m = _row_max(pmax_ptr, row, split, SP2)
+        inv_t = 1.0 / temp
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
+        c = _first_pivots(m, temp, tau_minp, P)
+        pj = tl.arange(0, P)
+        if s == 0:
+            tl.store(piv_ptr + row * P + pj, c)  # the cutoffs the counts were made with, bit for bit
+        xrow = x_ptr + row.to(tl.int64) * x_stride + s * CH
+        n = tl.minimum(CH, V - s * CH)
+        if top_k > 0:
+            cnt, mass, za = _pivot_counts(xrow, n, c, m, inv_t, tau_minp, False, PB, P)
+        else:
+            cnt, mass, za = _pivot_counts(xrow, n, c, m, inv_t, tau_minp, True, PB, P)
+        at = (row * split + s).to(tl.int64)
+        tl.store(pc_ptr + at * P + pj, cnt)
+        tl.store(pm_ptr + at * P + pj, mass)
+        tl.store(pz_ptr + at, za)
+
+
+@triton.jit
+def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, piv_ptr, pc_ptr, pm_ptr,
+                    pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, SP2: tl.constexpr, P: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Per chunk: a filtering row's candidates to its scratch row (at the chunk's offset); a row that
+    does not filter (temperature, min_p) races its chunk."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    if temp > 0:
+        top_p = tl.load(f_ptr + S + slot)
+        top_k = tl.load(i_ptr + slot)
+        m = _row_max(pmax_ptr, row, split, SP2)
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
+        xrow = x_ptr + row.to(tl.int64) * x_stride
+        lo = s * CH
+        n = tl.minimum(CH, V - lo)
+        if (top_k > 0) | (top_p < 1.0):
+            c = tl.load(piv_ptr + row * P + tl.arange(0, P))
+            found, cstar, jstar, n_c, _, _, _ = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
+                                                        top_p, C, P)
+            if found > 0:
+                at = 0
+                for s2 in range(0, s):
+                    at += tl.load(pc_ptr + (row * split + s2).to(tl.int64) * P + jstar)
+                _compact(xrow, lo, n, cstar, cx_ptr + row.to(tl.int64) * C, ci_ptr + row.to(tl.int64) * C, at, BLOCK)
+        else:
+            key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+            key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+            best, best_id = _race(xrow + lo, n, lo, tau_minp, 1.0 / temp, key, key2, BLOCK)
+            tl.store(rs_ptr + row * split + s, best)
+            tl.store(ri_ptr + row * split + s, best_id)
+
+
+@triton.jit
+def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pidx_ptr, pmin_ptr, piv_ptr,
+                   pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, out_ptr, tau_ptr, fb_ptr, split,
+                   SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
+                   REFINE: tl.constexpr):
+    """Per row: greedy argmax; the exact threshold and race over the candidates (or the whole row);
+    or the best of the chunks' races."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    j = tl.arange(0, SP2)
+    pmax = tl.load(pmax_ptr + row * split + j, mask=j < split, other=float("-inf"))
+    m = tl.max(pmax, 0)
+    res = tl.min(tl.where(pmax == m, tl.load(pidx_ptr + row * split + j, mask=j < split, other=V), V), 0)
+    res = res.to(tl.int64)
     tau = tl.full((), float("-inf"), tl.float32)
     if temp > 0:
-        tl.debug_barrier()  # penalised logits written above are read below by other threads
         inv_t = 1.0 / temp
         top_p = tl.load(f_ptr + S + slot)
-        min_p = tl.load(f_ptr + 2 * S + slot)
         top_k = tl.load(i_ptr + slot)
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
         key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
-        step = tl.load(step_ptr + slot).to(tl.uint32)
-        key2 = _fmix32(key + step * 0x9E3779B1)
-        tau_minp = tl.where(min_p > 0, m + temp * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+        key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
         if (top_k > 0) | (top_p < 1.0):
-            # cutoffs: P below the max (tempered distances 0.5 .. 32, and none), then narrowing
-            j = tl.arange(0, P)
-            d = tl.where(j == P - 1, float("inf"), 0.5 * tl.exp2(j.to(tl.float32)))
-            lo = tl.full((), float("-inf"), tl.float32)
-            hi = _float_of(_key_of(m) + 1)
-            cstar = lo
-            z_a = tl.full((), 0.0, tl.float32)
-            found = 0
-            it = 0
-            while (found == 0) & (it <= REFINE):
-                first = tl.maximum(m - d * temp, tau_minp)
-                frac = (j + 1).to(tl.float32) / (P + 1)
-                lo_f = tl.where(lo == float("-inf"), m, lo)  # (it == 0: unused)
-                c = tl.where(it == 0, first, tl.maximum(lo_f + (hi - lo_f) * frac, tau_minp))
-                if top_k > 0:
-                    cnt, mass, za = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, False, PB, P)
-                else:
-                    cnt, mass, za = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, True, PB, P)
-                z_a = tl.where(it == 0, za, z_a)
-                valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
-                ok = valid & (cnt <= C)
-                found = tl.sum(ok.to(tl.int32), 0)
-                cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
-                lo = tl.maximum(lo, tl.max(tl.where(valid, c, float("-inf")), 0))
-                hi = tl.minimum(hi, tl.min(tl.where(valid, float("inf"), c), 0))
-                lo = tl.where(lo == float("-inf"), tl.minimum(tl.min(lo_vec, 0), m), lo)
-                it += 1
-            if found > 0:
-                # pass 3: the candidates (x >= cstar, at most C) to the scratch row, in token order
-                cx = cx_ptr + row.to(tl.int64) * C
-                ci = ci_ptr + row.to(tl.int64) * C
-                n_c = 0
-                for start in range(0, V, BLOCK):
-                    offs = start + tl.arange(0, BLOCK)
-                    mask = offs < V
-                    x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
-                    pred = mask & (x >= cstar)
-                    pos = n_c + tl.cumsum(pred.to(tl.int32), 0) - 1
-                    tl.store(cx + pos, x, mask=pred)
-                    tl.store(ci + pos, offs, mask=pred)
-                    n_c += tl.sum(pred.to(tl.int32), 0)
-                tl.debug_barrier()
-                lane = tl.arange(0, BLOCK)
-                xt = tl.load(cx + lane, mask=lane < n_c, other=float("-inf"))
-                wt = tl.exp((xt - m) * inv_t)
-                tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, True, BLOCK)
-                score = tl.where((lane < n_c) & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=lane < n_c,
-                                 other=0), inv_t, key, key2), float("-inf"))
-                res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
-            else:
+            c = tl.load(piv_ptr + row * P + tl.arange(0, P))
+            found, cstar, jstar, n_c, lo, hi, z_a = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
+                                                            top_p, C, P)
+            cx = cx_ptr + row.to(tl.int64) * C
+            ci = ci_ptr + row.to(tl.int64) * C
+            xrow = x_ptr + row.to(tl.int64) * x_stride
+            if found == 0:
                 tl.atomic_add(fb_ptr, 1)
-                tau = _threshold(xrow, V, m_vec, m_vec, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
-                res = _race(xrow, V, tau, inv_t, key, key2, BLOCK)
+                lo_min = tl.min(tl.load(pmin_ptr + row * split + j, mask=j < split, other=float("inf")), 0)
+                found, cstar, n_c, lo, hi = _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k,
+                                                    top_p, cx, ci, C, BLOCK, PB, P, REFINE)
+            if found > 0:
+                tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
+                                        BLOCK)
+            else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
+                dummy = tl.zeros([BLOCK], tl.float32)
+                tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+                _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
         else:
             tau = tau_minp
-            res = _race(xrow, V, tau, inv_t, key, key2, BLOCK)
+            best = tl.full((), float("-inf"), tl.float32)
+            for s in range(0, split):
+                sc = tl.load(rs_ptr + row * split + s)
+                take = sc > best
+                res = tl.where(take, tl.load(ri_ptr + row * split + s), res)
+                best = tl.where(take, sc, best)
     tl.store(out_ptr + row, res)
     tl.store(tau_ptr + row, tau)
+
+
+_SMS: dict = {}
+
+
+def _split(B: int, V: int, device: torch.device) -> tuple[int, int]:
+    """Chunks per row and their length: about 4 programs per multiprocessor over the batch."""
+    if device.type == "cuda":
+        if device.index not in _SMS:
+            _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SMS[device.index]
+    else:
+        sms = 16  # (the interpreter: several chunks a row, as on a GPU)
+    split = max(1, min(triton.cdiv(4 * sms, max(B, 1)), triton.cdiv(V, SPLIT_BLOCK)))
+    ch = triton.cdiv(triton.cdiv(V, split), SPLIT_BLOCK) * SPLIT_BLOCK
+    return triton.cdiv(V, ch), ch
 
 
 def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
     """x [B, V] float32 logits (penalties applied in place), slots [B] int64; per slot: f [6, S] float32
     (temperature, top_p, min_p, repetition, presence, frequency penalty), i [5, S] int64 (top_k, ..,
     noise key in row 4), steps [S] int64; counts [S, V] int32 or None (no penalties); cand_x [>=B, C]
-    float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows that could not use
-    candidates. -> (token ids [B] int64, tau [B] float32). Same result as `sample_ref`."""
+    float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows whose first cutoffs did
+    not fit in C (they search their whole row). -> (token ids [B] int64, tau [B] float32). Same result
+    as `sample_ref`."""
     B, V = x.shape
-    assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous() and cand_x.shape[1] <= BLOCK
-    ids = torch.empty(B, dtype=torch.int64, device=x.device)
-    tau = torch.empty(B, dtype=torch.float32, device=x.device)
-    if B:
-        _sample_kernel[(B,)](
-            x, x.stride(0), V, slots, f, i, f.shape[1], steps, counts if counts is not None else x,
-            cand_x, cand_i, cand_x.shape[1], ids, tau, fallback,
-            PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=BLOCK, PB=PIVOT_BLOCK, P=PIVOTS, REFINE=REFINE,
-            num_warps=8)
+    assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous()
+    dev = x.device
+    ids = torch.empty(B, dtype=torch.int64, device=dev)
+    tau = torch.empty(B, dtype=torch.float32, device=dev)
+    if not B:
+        return ids, tau
+    split, ch = _split(B, V, dev)
+    sp2, P, S, C = triton.next_power_of_2(split), PIVOTS, f.shape[1], cand_x.shape[1]
+    fl = torch.empty((4 + 2 * P) * B * split + B * P, dtype=torch.float32, device=dev)
+    pmax, pmin, pz, rs = (fl[k * B * split:(k + 1) * B * split] for k in range(4))
+    pm = fl[4 * B * split:(4 + P) * B * split]
+    pc = fl[(4 + P) * B * split:(4 + 2 * P) * B * split].view(torch.int32)
+    piv = fl[(4 + 2 * P) * B * split:]
+    pidx = torch.empty(B * split, dtype=torch.int32, device=dev)
+    ri = torch.empty(B * split, dtype=torch.int64, device=dev)
+    cnt = counts if counts is not None else x
+    _pass1_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
+                              PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
+    _pivot_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
+                              SP2=sp2, P=P, PB=PIVOT_BLOCK, num_warps=8)
+    _compact_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
+                                rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, num_warps=8)
+    _finish_kernel[(B,)](x, x.stride(0), V, slots, f, i, S, steps, pmax, pidx, pmin, piv, pc, pm, pz, cand_x, cand_i, C,
+                         rs, ri, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK, REFINE=REFINE,
+                         num_warps=8)
     return ids, tau

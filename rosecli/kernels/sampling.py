@@ -1,0 +1,634 @@
+"""Sampling kernels: four Triton launches do penalties, greedy argmax, the min_p / top-k / top-p
+threshold (exact, without sorting) and the exponential race with counter-based noise. A plain-torch
+reference (`sample_ref`, sorting) beside it gives the same result.
+
+Noise is a hash of (the slot's key, its step, the token id): the same (request seed, step) gives the
+same noise whatever the batch, the row, the device or the candidate set raced over, so a seeded
+request repeats exactly and racing over a candidate set picks the same token as racing over the whole
+vocabulary restricted to those candidates. The race picks the token that maximises
+``logit / T + Gumbel noise`` among tokens whose logit is at least the row's threshold ``tau``
+(that is softmax sampling restricted to them); a greedy row (temperature 0) takes the argmax, first
+index on ties, like ``torch.argmax``.
+
+Filters (vLLM v1's order; each over what the previous kept), as one threshold ``tau`` on the logit:
+min_p keeps ``x >= max + T*log(min_p)`` (probability at least min_p times the largest); top-k keeps
+``x >= `` the k-th largest kept logit (ties at it are all kept); top-p keeps token j when the softmax
+mass of the kept tokens with a larger logit is below ``top_p`` (the smallest set of largest logits
+reaching top_p; ties at its last value are all kept).
+
+The kernels find that threshold without sorting, each row split into chunks over the GPU for the
+passes over the vocabulary: pass 1 (penalties written back, max, argmax); pass 2 counts the tokens
+(and, for top-p without top-k, their mass) at 8 cutoffs below the max; pass 3 picks the highest cutoff
+that cannot exclude a kept token and leaves at most ``C`` candidates, and copies them to a scratch row
+(a row without top-k/top-p races its chunks instead); then one program per row runs a bisection on
+the float's bit pattern over its candidates (registers) for the exact k-th value and top-p cut, and
+the race over them (more than 4096 candidates: over the scratch row). A row no cutoff fits (a flat
+distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
+over its whole row: slower, equally exact.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+PROMPT_BIT = 1 << 30  # counts[slot, token]: bit 30 = token in the prompt, low 30 bits = times in the output
+M32 = 0xFFFFFFFF
+BLOCK = 4096  # tile of a pass over a row; up to BLOCK candidates are searched in registers
+SPLIT_BLOCK = 2048  # tile of the passes split over chunks of a row
+PIVOT_BLOCK = 512  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
+PIVOTS = 8
+REFINE = 4  # narrowing passes when no first-pass cutoff fits
+
+
+# --- noise (uint32 hash; the torch reference emulates uint32 in int64) -------------------------
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for int64 a in [0, 2**32), without int64 overflow."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _fmix32_ref(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def fmix32_int(x: int) -> int:
+    """The same hash on a Python int (host side: slot keys from seeds)."""
+    x &= M32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & M32
+    return x ^ (x >> 16)
+
+
+def gumbel_ref(key: torch.Tensor, step: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise for tokens [B, N] (int64) of rows with key [B], step [B] (int64)."""
+    key = key[:, None] & M32
+    key2 = _fmix32_ref((key + _mul32(step[:, None] & M32, 0x9E3779B1)) & M32)
+    h = _fmix32_ref(_mul32(tokens & M32, 0x85EBCA77) ^ key2)
+    h = _fmix32_ref(h ^ key)
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608)  # in (0, 1) exactly: 23 bits, never rounds to 1
+    return -torch.log(-torch.log(u))
+
+
+@triton.jit
+def _fmix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+# --- reference ----------------------------------------------------------------------------------
+def race_ref(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, tau: torch.Tensor,
+             keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """x: [B, N] float32 logits (untempered); tokens: [B, N] token ids of x's columns, or None for
+    0..N-1; inv_t, tau: [B]; keys, steps: per slot, read at ``slots`` [B]. -> token ids [B] int64."""
+    B, N = x.shape
+    if tokens is None:
+        tokens = torch.arange(N, device=x.device).expand(B, N)
+    g = gumbel_ref(keys[slots], steps[slots], tokens)
+    greedy = (inv_t == 0)[:, None]
+    score = torch.where(greedy, x, x * inv_t[:, None] + g)
+    score = score.masked_fill(~(x >= tau[:, None]), float("-inf"))
+    best = score.argmax(dim=1, keepdim=True)
+    return tokens.gather(1, best).squeeze(1).long()
+
+
+def penalties_ref(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+                  pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """In place on x [B, V]: repetition penalty over prompt and output tokens (divide a positive
+    logit, multiply a negative one), then frequency (times the output count) and presence
+    (once if in the output) subtracted, as vLLM v1 and OpenAI define them. rep/pres/freq: per slot."""
+    c = counts.index_select(0, slots)
+    n = (c & (PROMPT_BIT - 1)).to(torch.float32)
+    seen = c != 0
+    r = rep[slots][:, None]
+    penalised = torch.where(x > 0, x / r, x * r)
+    x.copy_(torch.where(seen, penalised, x) - freq[slots][:, None] * n - pres[slots][:, None] * (n > 0))
+    return x
+
+
+def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Each row's logit threshold tau (module doc) by sorting; -inf for greedy rows (temp 0)."""
+    B, V = x.shape
+    ninf = torch.full((B,), float("-inf"), device=x.device)
+    greedy = temp == 0
+    inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
+    m = x.amax(dim=1)
+    tau = torch.where(min_p > 0, m + temp * torch.log(min_p.clamp_min(1e-30)), ninf)
+    sampled = ~greedy
+    uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
+    if bool((uses_k | uses_p).any()):
+        if bool((uses_p & ~uses_k).any()):
+            srt = x.sort(dim=1, descending=True).values
+        else:  # every row that filters has a top_k: its k largest are enough
+            srt = x.topk(min(int(top_k[uses_k].max()), V), dim=1).values
+        kept = srt >= tau[:, None]
+        kth = srt.gather(1, (top_k.clamp(1, srt.shape[1]) - 1)[:, None]).squeeze(1)
+        tau = torch.where(uses_k & (kept.sum(dim=1) >= top_k), torch.maximum(tau, kth), tau)
+        kept = srt >= tau[:, None]
+        w = torch.where(kept, torch.exp((srt - m[:, None]) * inv_t[:, None]), 0.0)
+        cum = w.cumsum(dim=1)
+        keep = kept & ((cum - w) < top_p[:, None] * w.sum(dim=1, keepdim=True))
+        tau_p = srt.gather(1, (keep.sum(dim=1).clamp_min(1) - 1)[:, None]).squeeze(1)
+        tau = torch.where(uses_p, torch.maximum(tau, tau_p), tau)
+    return torch.where(greedy, ninf, tau)
+
+
+def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None):
+    """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches)."""
+    if counts is not None:
+        penalties_ref(x, slots, counts, f[3], f[4], f[5])
+    temp = f[0][slots]
+    tau = thresholds_ref(x, temp, i[0][slots], f[1][slots], f[2][slots])
+    inv_t = torch.where(temp == 0, 0.0, 1.0 / torch.where(temp == 0, 1.0, temp))
+    return race_ref(x, None, slots, inv_t, tau, i[4], steps), tau
+
+
+# --- the fused kernel ---------------------------------------------------------------------------
+@triton.jit
+def _key_of(c):
+    """float32 -> int64 whose order is the floats' order."""
+    b = c.to(tl.int32, bitcast=True)
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b.to(tl.int64)
+
+
+@triton.jit
+def _float_of(k):
+    b = k.to(tl.int32)
+    b = tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_mass(ptr, n, xt, wt, c, m, inv_t, WITH_MASS: tl.constexpr, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """How many of x = ptr[:n] are >= c, and (WITH_MASS) their softmax weight exp((x - m) / T).
+    TILE: x is the register tile xt (n <= BLOCK) with weights wt, no load."""
+    if TILE:
+        ge = (tl.arange(0, BLOCK) < n) & (xt >= c)
+        cnt = tl.sum(ge.to(tl.int32), 0)
+        if WITH_MASS:
+            mass = tl.sum(tl.where(ge, wt, 0.0), 0)
+        else:
+            mass = 0.0
+    else:
+        acc_c = tl.zeros([BLOCK], tl.int32)
+        acc_m = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(ptr + offs, mask=mask, other=float("-inf"))
+            ge = mask & (x >= c)
+            acc_c += ge.to(tl.int32)
+            if WITH_MASS:
+                acc_m += tl.where(ge, tl.exp((x - m) * inv_t), 0.0)
+        cnt = tl.sum(acc_c, 0)
+        mass = tl.sum(acc_m, 0)
+    return cnt, mass
+
+
+@triton.jit
+def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, BY_MASS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target);
+    lo is assumed to qualify and hi not. Bisection on the bit pattern until one value of x is left in
+    [lo, hi): the answer is that value, the smallest x >= lo."""
+    lo_k = _key_of(lo)
+    hi_k = _key_of(hi)
+    n_lo, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
+    n_hi, _ = _count_mass(ptr, n, xt, wt, hi, m, inv_t, False, TILE, BLOCK)
+    while (hi_k - lo_k > 1) & (n_lo - n_hi > 1):
+        mid = lo_k + (hi_k - lo_k) // 2
+        cnt, mass = _count_mass(ptr, n, xt, wt, _float_of(mid), m, inv_t, BY_MASS, TILE, BLOCK)
+        if BY_MASS:
+            ok = mass >= target
+        else:
+            ok = cnt >= k
+        lo_k = tl.where(ok, mid, lo_k)
+        hi_k = tl.where(ok, hi_k, mid)
+        n_lo = tl.where(ok, cnt, n_lo)
+        n_hi = tl.where(ok, n_hi, cnt)
+    return _min_at_least(ptr, n, xt, _float_of(lo_k), TILE, BLOCK)
+
+
+@triton.jit
+def _min_at_least(ptr, n, xt, c, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The smallest x >= c (c itself when none is)."""
+    if TILE:
+        best = tl.min(tl.where((tl.arange(0, BLOCK) < n) & (xt >= c), xt, float("inf")), 0)
+    else:
+        acc = tl.full([BLOCK], float("inf"), tl.float32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.load(ptr + offs, mask=offs < n, other=float("-inf"))
+            acc = tl.minimum(acc, tl.where((offs < n) & (x >= c), x, float("inf")))
+        best = tl.min(acc, 0)
+    return tl.where(best == float("inf"), c, best)
+
+
+@triton.jit
+def _noise_score(x, tok, inv_t, key, key2):
+    h = _fmix32((tok.to(tl.uint32) * 0x85EBCA77) ^ key2)
+    h = _fmix32(h ^ key)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)
+    return x * inv_t - tl.log(-tl.log(u))
+
+
+@triton.jit
+def _race(ptr, n, base, tau, inv_t, key, key2, BLOCK: tl.constexpr, id_ptr=None, HAS_IDS: tl.constexpr = False):
+    """argmax over x = ptr[:n] >= tau (tokens base..base+n-1, or HAS_IDS: id_ptr[:n], increasing) of
+    x / T + Gumbel(hash(key, step, token)), first on ties. -> (best score, its token id)."""
+    best = tl.full((), float("-inf"), tl.float32)
+    best_id = tl.full((), 0, tl.int64)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(ptr + offs, mask=mask, other=float("-inf"))
+        if HAS_IDS:
+            tok = tl.load(id_ptr + offs, mask=mask, other=0)
+        else:
+            tok = base + offs
+        score = tl.where(mask & (x >= tau), _noise_score(x, tok, inv_t, key, key2), float("-inf"))
+        mx = tl.max(score, 0)
+        i = tl.argmax(score, 0)
+        take = mx > best
+        best_id = tl.where(take, tl.sum(tl.where(tl.arange(0, BLOCK) == i, tok, 0), 0).to(tl.int64), best_id)
+        best = tl.where(take, mx, best)
+    return best, best_id
+
+
+@triton.jit
+def _pivot_counts(xrow, V, c, m, inv_t, tau_minp, WITH_MASS: tl.constexpr, BLOCK: tl.constexpr,
+                  P: tl.constexpr):
+    """For each of the P cutoffs c: how many x >= c and (WITH_MASS) their weight; and the weight of
+    x >= tau_minp (what min_p kept)."""
+    acc_c = tl.zeros([BLOCK, P], tl.int32)
+    acc_m = tl.zeros([BLOCK, P], tl.float32)
+    acc_z = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
+        ge = (x[:, None] >= c[None, :]) & mask[:, None]
+        acc_c += ge.to(tl.int32)
+        if WITH_MASS:
+            w = tl.exp((x - m) * inv_t)
+            acc_m += tl.where(ge, w[:, None], 0.0)
+            acc_z += tl.where(mask & (x >= tau_minp), w, 0.0)
+    return tl.sum(acc_c, 0), tl.sum(acc_m, 0), tl.sum(acc_z, 0)
+
+
+@triton.jit
+def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, TILE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Exact top-k / top-p threshold over x = ptr[:n] (or the tile xt), which holds every token >= lo;
+    lo cannot exclude a kept token, hi is above the answer."""
+    t = tau_minp
+    if top_k > 0:
+        cnt, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
+        if cnt >= top_k:
+            t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, lo, hi, top_k, 0.0, m, inv_t, False, TILE, BLOCK))
+    if top_p < 1.0:
+        if top_k > 0:  # top-p over what top-k kept: all of it is here
+            _, z = _count_mass(ptr, n, xt, wt, t, m, inv_t, True, TILE, BLOCK)
+            hi_p = _float_of(_key_of(m) + 1)
+        else:  # over what min_p kept, counted on the whole row
+            z = z_a
+            hi_p = hi
+        t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, tl.maximum(t, lo), hi_p, 0, top_p * z, m, inv_t, True,
+                                       TILE, BLOCK))
+    return t
+
+
+@triton.jit
+def _first_pivots(m, temp, tau_minp, P: tl.constexpr):
+    """P cutoffs below the max: tempered distances 0.5, 1, 2, .. 32 and none (what min_p kept)."""
+    j = tl.arange(0, P)
+    d = tl.where(j == P - 1, float("inf"), 0.5 * tl.exp2(j.to(tl.float32)))
+    return tl.maximum(m - d * temp, tau_minp)
+
+
+@triton.jit
+def _tau_minp(m, temp, min_p):
+    return tl.where(min_p > 0, m + temp * tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
+
+
+@triton.jit
+def _row_max(pmax_ptr, row, split, SP2: tl.constexpr):
+    j = tl.arange(0, SP2)
+    return tl.max(tl.load(pmax_ptr + row * split + j, mask=j < split, other=float("-inf")), 0)
+
+
+@triton.jit
+def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C, P: tl.constexpr):
+    """From the chunks' counts at the cutoffs c: whether one keeps every token the filters keep and at
+    most C candidates (found), the highest such (cstar, its index jstar, its count n_c), the bracket
+    (lo qualifies, hi does not) and the weight z_a of what min_p kept. Sums in chunk order: every
+    kernel that calls this gets the same answer."""
+    pj = tl.arange(0, P)
+    cnt = tl.zeros([P], tl.int32)
+    mass = tl.zeros([P], tl.float32)
+    z_a = tl.full((), 0.0, tl.float32)
+    for s in range(0, split):
+        at = (row * split + s).to(tl.int64)
+        cnt += tl.load(pc_ptr + at * P + pj)
+        mass += tl.load(pm_ptr + at * P + pj)
+        z_a += tl.load(pz_ptr + at)
+    valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
+    ok = valid & (cnt <= C)
+    found = tl.sum(ok.to(tl.int32), 0)
+    cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
+    jstar = tl.max(tl.where(ok & (c == cstar), pj, -1), 0)
+    n_c = tl.sum(tl.where(pj == jstar, cnt, 0), 0)
+    lo = tl.max(tl.where(valid, c, float("-inf")), 0)
+    hi = tl.minimum(tl.min(tl.where(valid, float("inf"), c), 0), _float_of(_key_of(m) + 1))
+    return found, cstar, jstar, n_c, lo, hi, z_a
+
+
+@triton.jit
+def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
+    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in registers when
+    they fit one tile, else over the scratch row."""
+    if n_c <= BLOCK:
+        lane = tl.arange(0, BLOCK)
+        mask = lane < n_c
+        xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
+        wt = tl.exp((xt - m) * inv_t)
+        tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, True, BLOCK)
+        score = tl.where(mask & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=mask, other=0), inv_t, key,
+                                                          key2), float("-inf"))
+        res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
+    else:
+        dummy = tl.zeros([BLOCK], tl.float32)
+        tau = _threshold(cx, n_c, dummy, dummy, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+        _, res = _race(cx, n_c, 0, tau, inv_t, key, key2, BLOCK, ci, True)
+    return tau, res
+
+
+@triton.jit
+def _compact(xrow, lo, n, cstar, cx, ci, at, BLOCK: tl.constexpr):
+    """Copy x >= cstar of xrow[lo:lo+n] to cx[at:] (token ids to ci), in token order. -> the end."""
+    at = tl.full((), 0, tl.int32) + at
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(xrow + lo + offs, mask=mask, other=float("-inf"))
+        pred = mask & (x >= cstar)
+        pos = at + tl.cumsum(pred.to(tl.int32), 0) - 1
+        tl.store(cx + pos, x, mask=pred)
+        tl.store(ci + pos, lo + offs, mask=pred)
+        at += tl.sum(pred.to(tl.int32), 0)
+    return at
+
+
+@triton.jit
+def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p, cx, ci, C,
+            BLOCK: tl.constexpr, PB: tl.constexpr, P: tl.constexpr, REFINE: tl.constexpr):
+    """A row no first cutoff fitted: narrow [lo, hi) with up to REFINE passes of P cutoffs over the
+    whole row; a cutoff that fits has its candidates copied to cx/ci.
+    -> (found, cutoff, candidates, lo, hi)."""
+    frac = (tl.arange(0, P) + 1).to(tl.float32) / (P + 1)
+    lo = tl.where(lo == float("-inf"), tl.minimum(lo_min, m), lo)
+    cstar = lo
+    found = 0
+    it = 0
+    while (found == 0) & (it < REFINE):
+        c = tl.maximum(lo + (hi - lo) * frac, tau_minp)
+        if top_k > 0:
+            cnt, mass, _ = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, False, PB, P)
+        else:
+            cnt, mass, _ = _pivot_counts(xrow, V, c, m, inv_t, tau_minp, True, PB, P)
+        valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
+        ok = valid & (cnt <= C)
+        found = tl.sum(ok.to(tl.int32), 0)
+        cstar = tl.max(tl.where(ok, c, float("-inf")), 0)
+        lo = tl.maximum(lo, tl.max(tl.where(valid, c, float("-inf")), 0))
+        hi = tl.minimum(hi, tl.min(tl.where(valid, float("inf"), c), 0))
+        it += 1
+    n_c = tl.full((), 0, tl.int32)
+    if found > 0:
+        n_c = _compact(xrow, 0, V, cstar, cx, ci, 0, BLOCK)
+        tl.debug_barrier()  # written above by all threads, read next by others
+    return found, cstar, n_c, lo, hi
+
+
+# Four launches; the row is split into `split` chunks of CH tokens for the passes over it.
+@triton.jit
+def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr, pidx_ptr, pmin_ptr,
+                  PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr):
+    """Per chunk: penalties (written back), max, its first index, smallest finite value."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    xrow = x_ptr + row.to(tl.int64) * x_stride
+    lo = s * CH
+    end = tl.minimum(lo + CH, V)
+    m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+    min_vec = tl.full([BLOCK], float("inf"), tl.float32)
+    i_vec = tl.zeros([BLOCK], tl.int32)
+    if PEN:
+        rep = tl.load(f_ptr + 3 * S + slot)
+        pres = tl.load(f_ptr + 4 * S + slot)
+        freq = tl.load(f_ptr + 5 * S + slot)
+        pen_row = (rep != 1.0) | (pres != 0.0) | (freq != 0.0)
+    for start in range(lo, end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end
+        x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
+        if PEN:
+            if pen_row:
+                seen = tl.load(cnt_ptr + slot.to(tl.int64) * V + offs, mask=mask, other=0)
+                nout = (seen & (PROMPT - 1)).to(tl.float32)
+                x = tl.where(seen != 0, tl.where(x > 0, x / rep, x * rep), x)
+                x = x - freq * nout - tl.where(nout > 0, pres, 0.0)
+                tl.store(xrow + offs, x, mask=mask)
+        upd = x > m_vec
+        m_vec = tl.where(upd, x, m_vec)
+        i_vec = tl.where(upd, offs, i_vec)
+        min_vec = tl.minimum(min_vec, tl.where(x > float("-inf"), x, float("inf")))
+    m = tl.max(m_vec, 0)
+    at = row * split + s
+    tl.store(pmax_ptr + at, m)
+    tl.store(pidx_ptr + at, tl.min(tl.where(m_vec == m, i_vec, V), 0))
+    tl.store(pmin_ptr + at, tl.min(min_vec, 0))
+
+
+@triton.jit
+def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, piv_ptr, pc_ptr, pm_ptr, pz_ptr,
+                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr):
+    """Per chunk of a row that filters by top-k or top-p: counts (and weights) at the first cutoffs."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    top_p = tl.load(f_ptr + S + slot)
+    top_k = tl.load(i_ptr + slot)
+    if (temp > 0) & ((top_k > 0) | (top_p < 1.0)):
+        m = _row_max(pmax_ptr, row, split, SP2)
+        inv_t = 1.0 / temp
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
+        c = _first_pivots(m, temp, tau_minp, P)
+        pj = tl.arange(0, P)
+        if s == 0:
+            tl.store(piv_ptr + row * P + pj, c)  # the cutoffs the counts were made with, bit for bit
+        xrow = x_ptr + row.to(tl.int64) * x_stride + s * CH
+        n = tl.minimum(CH, V - s * CH)
+        if top_k > 0:
+            cnt, mass, za = _pivot_counts(xrow, n, c, m, inv_t, tau_minp, False, PB, P)
+        else:
+            cnt, mass, za = _pivot_counts(xrow, n, c, m, inv_t, tau_minp, True, PB, P)
+        at = (row * split + s).to(tl.int64)
+        tl.store(pc_ptr + at * P + pj, cnt)
+        tl.store(pm_ptr + at * P + pj, mass)
+        tl.store(pz_ptr + at, za)
+
+
+@triton.jit
+def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, piv_ptr, pc_ptr, pm_ptr,
+                    pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, SP2: tl.constexpr, P: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Per chunk: a filtering row's candidates to its scratch row (at the chunk's offset); a row that
+    does not filter (temperature, min_p) races its chunk."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    if temp > 0:
+        top_p = tl.load(f_ptr + S + slot)
+        top_k = tl.load(i_ptr + slot)
+        m = _row_max(pmax_ptr, row, split, SP2)
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
+        xrow = x_ptr + row.to(tl.int64) * x_stride
+        lo = s * CH
+        n = tl.minimum(CH, V - lo)
+        if (top_k > 0) | (top_p < 1.0):
+            c = tl.load(piv_ptr + row * P + tl.arange(0, P))
+            found, cstar, jstar, n_c, _, _, _ = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
+                                                        top_p, C, P)
+            if found > 0:
+                at = 0
+                for s2 in range(0, s):
+                    at += tl.load(pc_ptr + (row * split + s2).to(tl.int64) * P + jstar)
+                _compact(xrow, lo, n, cstar, cx_ptr + row.to(tl.int64) * C, ci_ptr + row.to(tl.int64) * C, at, BLOCK)
+        else:
+            key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+            key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+            best, best_id = _race(xrow + lo, n, lo, tau_minp, 1.0 / temp, key, key2, BLOCK)
+            tl.store(rs_ptr + row * split + s, best)
+            tl.store(ri_ptr + row * split + s, best_id)
+
+
+@triton.jit
+def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pidx_ptr, pmin_ptr, piv_ptr,
+                   pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, out_ptr, tau_ptr, fb_ptr, split,
+                   SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
+                   REFINE: tl.constexpr):
+    """Per row: greedy argmax; the exact threshold and race over the candidates (or the whole row);
+    or the best of the chunks' races."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    j = tl.arange(0, SP2)
+    pmax = tl.load(pmax_ptr + row * split + j, mask=j < split, other=float("-inf"))
+    m = tl.max(pmax, 0)
+    res = tl.min(tl.where(pmax == m, tl.load(pidx_ptr + row * split + j, mask=j < split, other=V), V), 0)
+    res = res.to(tl.int64)
+    tau = tl.full((), float("-inf"), tl.float32)
+    if temp > 0:
+        inv_t = 1.0 / temp
+        top_p = tl.load(f_ptr + S + slot)
+        top_k = tl.load(i_ptr + slot)
+        tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
+        key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+        key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+        if (top_k > 0) | (top_p < 1.0):
+            c = tl.load(piv_ptr + row * P + tl.arange(0, P))
+            found, cstar, jstar, n_c, lo, hi, z_a = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
+                                                            top_p, C, P)
+            cx = cx_ptr + row.to(tl.int64) * C
+            ci = ci_ptr + row.to(tl.int64) * C
+            xrow = x_ptr + row.to(tl.int64) * x_stride
+            if found == 0:
+                tl.atomic_add(fb_ptr, 1)
+                lo_min = tl.min(tl.load(pmin_ptr + row * split + j, mask=j < split, other=float("inf")), 0)
+                found, cstar, n_c, lo, hi = _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k,
+                                                    top_p, cx, ci, C, BLOCK, PB, P, REFINE)
+            if found > 0:
+                tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
+                                        BLOCK)
+            else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
+                dummy = tl.zeros([BLOCK], tl.float32)
+                tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+                _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
+        else:
+            tau = tau_minp
+            best = tl.full((), float("-inf"), tl.float32)
+            for s in range(0, split):
+                sc = tl.load(rs_ptr + row * split + s)
+                take = sc > best
+                res = tl.where(take, tl.load(ri_ptr + row * split + s), res)
+                best = tl.where(take, sc, best)
+    tl.store(out_ptr + row, res)
+    tl.store(tau_ptr + row, tau)
+
+
+_SMS: dict = {}
+
+
+def _split(B: int, V: int, device: torch.device) -> tuple[int, int]:
+    """Chunks per row and their length: about 4 programs per multiprocessor over the batch."""
+    if device.type == "cuda":
+        if device.index not in _SMS:
+            _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SMS[device.index]
+    else:
+        sms = 16  # (the interpreter: several chunks a row, as on a GPU)
+    split = max(1, min(triton.cdiv(4 * sms, max(B, 1)), triton.cdiv(V, SPLIT_BLOCK)))
+    ch = triton.cdiv(triton.cdiv(V, split), SPLIT_BLOCK) * SPLIT_BLOCK
+    return triton.cdiv(V, ch), ch
+
+
+def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
+    """x [B, V] float32 logits (penalties applied in place), slots [B] int64; per slot: f [6, S] float32
+    (temperature, top_p, min_p, repetition, presence, frequency penalty), i [5, S] int64 (top_k, ..,
+    noise key in row 4), steps [S] int64; counts [S, V] int32 or None (no penalties); cand_x [>=B, C]
+    float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows whose first cutoffs did
+    not fit in C (they search their whole row). -> (token ids [B] int64, tau [B] float32). Same result
+    as `sample_ref`."""
+    B, V = x.shape
+    assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous()
+    dev = x.device
+    ids = torch.empty(B, dtype=torch.int64, device=dev)
+    tau = torch.empty(B, dtype=torch.float32, device=dev)
+    if not B:
+        return ids, tau
+    split, ch = _split(B, V, dev)
+    sp2, P, S, C = triton.next_power_of_2(split), PIVOTS, f.shape[1], cand_x.shape[1]
+    fl = torch.empty((4 + 2 * P) * B * split + B * P, dtype=torch.float32, device=dev)
+    pmax, pmin, pz, rs = (fl[k * B * split:(k + 1) * B * split] for k in range(4))
+    pm = fl[4 * B * split:(4 + P) * B * split]
+    pc = fl[(4 + P) * B * split:(4 + 2 * P) * B * split].view(torch.int32)
+    piv = fl[(4 + 2 * P) * B * split:]
+    pidx = torch.empty(B * split, dtype=torch.int32, device=dev)
+    ri = torch.empty(B * split, dtype=torch.int64, device=dev)
+    cnt = counts if counts is not None else x
+    _pass1_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
+                              PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
+    _pivot_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
+                              SP2=sp2, P=P, PB=PIVOT_BLOCK, num_warps=8)
+    _compact_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
+                                rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, num_warps=8)
+    _finish_kernel[(B,)](x, x.stride(0), V, slots, f, i, S, steps, pmax, pidx, pmin, piv, pc, pm, pz, cand_x, cand_i, C,
+                         rs, ri, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK, REFINE=REFINE,
+                         num_warps=8)
+    return ids, tau

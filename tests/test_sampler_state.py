@@ -1,0 +1,357 @@
+"""The batched device sampler (`SamplerState`) against references: transformers' logits processors
+and plain-torch (sorting) implementations of vLLM v1's semantics, on random logits."""
+
+import math
+from types import SimpleNamespace as P
+
+import pytest
+import torch
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from rosecli.engine.sampling_state import SamplerState
+from rosecli.kernels import sampling as K
+
+V = 48
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # kernels: the GPU, else the Triton interpreter
+
+
+def _state(slots=8, vocab=V, **kw):
+    kw.setdefault("max_stop_ids", 8)
+    return SamplerState(slots, vocab, "cpu", seed=kw.pop("seed", 0), **kw)
+
+
+def _slots(*s):
+    return torch.tensor(s, dtype=torch.long)
+
+
+def ref_filter(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """vLLM v1 order with a full sort: temperature, min_p, top-k, top-p (over what is left) -> probs."""
+    x = logits / temperature
+    probs = x.softmax(-1)
+    if min_p > 0:
+        x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_k > 0:
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1:
+        srt, order = x.sort(descending=True)
+        p = srt.softmax(-1)
+        drop = (p.cumsum(-1) - p) >= top_p
+        x = x.clone()
+        x[order[drop]] = float("-inf")
+    return x.softmax(-1)
+
+
+def _draw(state, slot_list, logits_row, steps):
+    """ids of `steps` sampling steps of every slot in slot_list on the same logits row."""
+    slots = _slots(*slot_list)
+    draws = []
+    for _ in range(steps):
+        x = logits_row.expand(len(slot_list), -1).clone()
+        draws.append(state.sample(x, slots).token_ids)
+    return torch.cat(draws)
+
+
+def _tv(ids, probs):
+    freq = torch.bincount(ids, minlength=probs.numel()).double() / ids.numel()
+    return 0.5 * (freq - probs.double()).abs().sum().item()
+
+
+CASES = [dict(temperature=0.8), dict(temperature=1.0, top_k=5), dict(temperature=0.7, top_p=0.8),
+         dict(temperature=1.3, min_p=0.1), dict(temperature=0.8, top_k=12, top_p=0.9),
+         dict(temperature=1.1, top_k=20, top_p=0.7, min_p=0.05), dict(temperature=1.5, top_p=0.6, min_p=0.02)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_empirical_distribution_matches_reference(case):
+    torch.manual_seed(0)
+    logits = torch.randn(V) * 2
+    ref = ref_filter(logits, **case)
+    st = _state(slots=400)
+    slots = [st.acquire(P(**case, seed=i)) for i in range(400)]
+    st.flush()
+    ids = _draw(st, slots, logits, 20)  # 8000 draws: fresh noise per slot and per step
+    assert ref[ids].min() > 0, "sampled a token the filters remove"
+    assert _tv(ids, ref) < 0.04
+
+
+def test_single_filters_match_transformers_warpers():
+    torch.manual_seed(1)
+    logits = torch.randn(1, V) * 3
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for case, warpers in ((dict(temperature=0.7), [TemperatureLogitsWarper(0.7)]),
+                          (dict(top_k=7), [TopKLogitsWarper(7)]),
+                          (dict(top_p=0.75), [TopPLogitsWarper(0.75)]),
+                          (dict(min_p=0.2), [MinPLogitsWarper(0.2)]),
+                          (dict(temperature=0.7, top_k=9), [TemperatureLogitsWarper(0.7), TopKLogitsWarper(9)])):
+        hf = logits.clone()
+        for w in warpers:
+            hf = w(ids, hf)
+        assert torch.allclose(ref_filter(logits[0], **case), hf.softmax(-1)[0], atol=1e-6), case
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * 4)
+    logits = probs.clamp_min(1e-30).log()
+    for p, kept in ((0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)):
+        st = _state(slots=64, vocab=8)
+        slots = [st.acquire(P(temperature=1.0, top_p=p, seed=i)) for i in range(64)]
+        st.flush()
+        ids = set(_draw(st, slots, logits, 8).tolist())
+        assert ids == set(range(kept)), p
+
+
+def test_penalties_match_transformers_and_openai_definitions():
+    torch.manual_seed(2)
+    logits = torch.randn(3, V) * 2
+    prompt, output = [1, 2, 3, 3, 9], [3, 4, 4, 4, 7]
+    st = _state()
+    params = [P(repetition_penalty=1.3), P(presence_penalty=0.5, frequency_penalty=0.25),
+              P(repetition_penalty=0.8, presence_penalty=-0.3, frequency_penalty=0.4)]
+    slots = [st.acquire(p, prompt, output) for p in params]
+    st.flush()
+    out = st.sample(logits.clone(), _slots(*slots), num_logprobs=V)  # greedy rows; raw logprobs
+    x = logits.clone()
+    seq = torch.tensor([prompt + output] * 3)
+    counts = torch.bincount(torch.tensor(output), minlength=V).float()
+    ref = torch.empty_like(x)
+    for i, p in enumerate(params):
+        r = RepetitionPenaltyLogitsProcessor(getattr(p, "repetition_penalty", 1.0))(seq[i:i + 1], x[i:i + 1].clone())[0]
+        ref[i] = (r - getattr(p, "frequency_penalty", 0.0) * counts
+                  - getattr(p, "presence_penalty", 0.0) * (counts > 0).float())
+    assert out.token_ids.tolist() == ref.argmax(-1).tolist()
+    # penalties go on counting the tokens the sampler picks
+    picked = out.token_ids.tolist()
+    out2 = st.sample(logits.clone(), _slots(*slots))
+    for i, p in enumerate(params):
+        c = counts.clone()
+        c[picked[i]] += 1
+        r = RepetitionPenaltyLogitsProcessor(getattr(p, "repetition_penalty", 1.0))(
+            torch.tensor([prompt + output + [picked[i]]]), logits[i:i + 1].clone())[0]
+        r = r - getattr(p, "frequency_penalty", 0.0) * c - getattr(p, "presence_penalty", 0.0) * (c > 0).float()
+        assert out2.token_ids[i].item() == r.argmax().item()
+
+
+def _kernel_case(rows, vocab, scale=3.0, penalties=False, slots=8, seed=0):
+    """Random logits and per-slot parameter blocks for `K.sample` / `K.sample_ref`; rows: list of
+    (temperature, top_k, top_p, min_p)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(rows)
+    x = torch.randn(B, vocab, generator=g) * scale
+    f = torch.zeros(6, slots)
+    f[3] = 1.0
+    i = torch.zeros(5, slots, dtype=torch.int64)
+    perm = torch.randperm(slots, generator=g)[:B]  # rows map to scattered slots
+    for r, (t, k, p, mp) in enumerate(rows):
+        f[0, perm[r]], f[1, perm[r]], f[2, perm[r]], i[0, perm[r]] = t, p, mp, k
+    i[4] = torch.randint(0, 2**32, (slots,), generator=g)
+    steps = torch.randint(0, 10**6, (slots,), generator=g)
+    counts = None
+    if penalties:
+        f[3, perm] = torch.linspace(0.7, 1.4, B)
+        f[4, perm] = torch.linspace(-0.5, 0.8, B)
+        f[5, perm] = torch.linspace(0.3, -0.2, B)
+        counts = torch.randint(0, 3, (slots, vocab), dtype=torch.int32, generator=g)
+        counts[torch.rand(slots, vocab, generator=g) < 0.3] |= K.PROMPT_BIT
+        counts[torch.rand(slots, vocab, generator=g) < 0.5] = 0
+    return x, perm.clone(), f, i, steps, counts
+
+
+def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
+    B = x.shape[0]
+    x, slots, f, i, steps = (t.to(DEV) for t in (x, slots, f, i, steps))
+    counts = counts.to(DEV) if counts is not None else None
+    fallback = torch.zeros((), dtype=torch.int32, device=DEV)
+    xk, xr = x.clone(), x.clone()
+    ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.empty(B, capacity, device=DEV),
+                        torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback)
+    ref_ids, ref_tau = K.sample_ref(xr, slots, f, i, steps, counts)
+    assert torch.allclose(xk, xr, atol=1e-5)  # penalties written back
+    assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
+    assert ids.tolist() == ref_ids.tolist()
+    return fallback.item()
+
+
+ROWS = [(0.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.05), (1.2, 0, 1.0, 0.1),
+        (0.5, 7, 1.0, 0.0), (1.0, 0, 0.6, 0.0), (1.1, 20, 0.7, 0.05), (0.9, 3000, 1.0, 0.0), (1.0, 1, 0.5, 0.0)]
+
+
+@pytest.mark.parametrize("vocab", [37, 5000, 33000])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_sample_kernel_matches_reference(vocab, penalties):
+    """The fused kernel (penalties, argmax, exact min_p/top-k/top-p threshold, race) gives the sorting
+    reference's tokens and thresholds: greedy, temperature, top-k, top-p, min_p and combinations."""
+    x, slots, f, i, steps, counts = _kernel_case(ROWS, vocab, penalties=penalties, slots=12, seed=vocab)
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=256)
+
+
+def test_sample_kernel_exact_beyond_its_candidates():
+    """Flat rows (nucleus far larger than the candidate scratch), a huge tie at the k-th value and rows
+    of held-back (-inf) tokens: still the reference's exact threshold, through the whole-row search."""
+    rows = [(1.0, 0, 0.9, 0.0), (0.8, 0, 0.95, 0.0), (1.0, 40, 0.9, 0.0), (1.0, 10, 1.0, 0.0), (1.0, 0, 0.3, 0.0),
+            (0.7, 5, 0.8, 0.02)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 4000, scale=0.05, seed=11)
+    x[2, :300] = 2.0  # 300 tokens tie at the top: top_k 40 keeps all of them
+    x[3] = torch.randint(0, 3, (4000,)).float()  # three distinct values
+    x[5, 100:] = float("-inf")  # min_tokens / logit_bias holding most of the vocabulary back
+    assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=32) >= 3
+    # a nucleus of thousands of tokens: more candidates than one register tile (searched in the scratch)
+    x, slots, f, i, steps, counts = _kernel_case([(1.0, 0, 0.2, 0.0), (1.0, 5000, 1.0, 0.0)], 30000, scale=0.05)
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=2 * K.BLOCK)
+
+
+def test_sample_kernel_ties_take_the_first_token():
+    """Greedy rows take the first of tied maxima, also when they lie in different chunks of the row;
+    a top-k row keeps every token tied at its k-th value."""
+    x, slots, f, i, steps, counts = _kernel_case([(0.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (1.0, 2, 1.0, 0.0)], 20000)
+    x[:2, [3000, 7000, 19000]] = 50.0
+    x[1, 3000] = 49.0
+    x[2, [100, 12000, 15000]] = 50.0  # top_k 2: all three tie
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=64)
+    ids, _ = K.sample_ref(x.clone(), slots, f, i, steps, counts)
+    assert ids[:2].tolist() == [3000, 7000] and ids[2].item() in (100, 12000, 15000)
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids():
+    torch.manual_seed(5)
+    logits = torch.zeros(1, V)
+    logits[0, 7], logits[0, 11], logits[0, 3] = 10.0, 9.0, 8.0  # EOS 7 and stop id 11 lead
+    st = _state()
+    s = st.acquire(P(min_tokens=3), stop_ids=[7, 11])
+    t = st.acquire(P())  # no min_tokens: EOS as usual
+    st.flush()
+    picked = [st.sample(logits.expand(2, -1).clone(), _slots(s, t)).token_ids.tolist() for _ in range(4)]
+    assert [p[0] for p in picked] == [3, 3, 3, 7]
+    assert all(p[1] == 7 for p in picked)
+    # the same as transformers' processor (EOS only) on a request that already has 1 output token
+    hf = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=2, min_new_tokens=3, eos_token_id=7)
+    ref = hf(torch.tensor([[1, 2, 5]]), logits.clone())
+    st2 = _state()
+    u = st2.acquire(P(min_tokens=3), output_ids=[5], stop_ids=[7])
+    st2.flush()
+    out = st2.sample(logits.clone(), _slots(u), num_logprobs=3)
+    assert out.token_ids.item() == ref.argmax().item() == 11
+
+
+def test_logit_bias_and_bad_ids():
+    torch.manual_seed(6)
+    logits = torch.randn(2, V)
+    st = _state(logprobs_mode="processed")
+    a = st.acquire(P(logit_bias={5: 100.0, 6: -3.5}))
+    b = st.acquire(P(logit_bias={int(logits[1].argmax()): -100}))
+    st.flush()
+    out = st.sample(logits.clone(), _slots(a, b), num_logprobs=4)
+    ref = logits.clone()
+    ref[0, 5] += 100.0
+    ref[0, 6] -= 3.5
+    ref[1, logits[1].argmax()] -= 100
+    assert out.token_ids.tolist() == ref.argmax(-1).tolist()
+    assert torch.allclose(out.top_logprobs, ref.log_softmax(-1).topk(4).values, atol=1e-5)
+    with pytest.raises(ValueError, match="logit_bias token id 48 is outside the vocabulary"):
+        st.acquire(P(logit_bias={48: 1.0}))
+    with pytest.raises(ValueError, match="at most 300"):
+        st.acquire(P(logit_bias={i: 1.0 for i in range(301)}))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0.0"):
+        st.acquire(P(temperature=1.0, top_p=0.0))
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\], got 1.5"):
+        st.acquire(P(temperature=1.0, min_p=1.5))
+
+
+def test_logprobs_raw_and_processed():
+    torch.manual_seed(7)
+    logits = torch.randn(3, V) * 2
+    for mode in ("raw", "processed"):
+        st = _state(logprobs_mode=mode)
+        params = [P(), P(temperature=0.5, top_k=6, seed=1), P(temperature=0.9, presence_penalty=1.0, seed=2)]
+        slots = [st.acquire(p, [1, 2], [4, 4]) for p in params]
+        st.flush()
+        out = st.sample(logits.clone(), _slots(*slots), num_logprobs=5)
+        if mode == "raw":  # vLLM's default: the model's own distribution
+            ref = logits.log_softmax(-1)
+        else:  # what each row samples from
+            x = logits.clone()
+            x[2, 4] -= 1.0
+            ref = torch.stack([x[0].log_softmax(-1), ref_filter(x[1], 0.5, top_k=6).log(),
+                               ref_filter(x[2], 0.9).log()])
+        assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0], atol=1e-5)
+        assert torch.allclose(out.top_logprobs, ref.topk(5).values, atol=1e-5)
+        assert torch.equal(ref.gather(1, out.top_ids), out.top_logprobs) or \
+            torch.allclose(ref.gather(1, out.top_ids), out.top_logprobs, atol=1e-5)
+
+
+def test_mixed_batch_greedy_sampled_seeded_rows():
+    torch.manual_seed(8)
+    steps = 6
+    seq = [torch.randn(V) * 2 for _ in range(steps)]
+    seeded = P(temperature=1.0, top_p=0.9, seed=1234)
+
+    def run(batch, order):
+        st = _state(seed=99)
+        slots = {name: st.acquire(p) for name, p in batch}
+        st.flush()
+        out = {name: [] for name, _ in batch}
+        for s in range(steps):
+            names = order(s)
+            ids = st.sample(torch.stack([seq[s]] * len(names)), _slots(*[slots[n] for n in names])).token_ids
+            for n, t in zip(names, ids.tolist()):
+                out[n].append(t)
+        return out
+
+    alone = run([("seeded", seeded)], lambda s: ["seeded"])
+    mixed = run([("greedy", P()), ("hot", P(temperature=1.5)), ("seeded", seeded), ("k", P(temperature=1, top_k=3))],
+                lambda s: ["greedy", "hot", "seeded", "k"] if s % 2 else ["seeded", "k", "hot", "greedy"])
+    assert mixed["seeded"] == alone["seeded"]  # its own stream, whatever the batch and row
+    assert mixed["greedy"] == [int(x.argmax()) for x in seq]
+    assert all(t in x.topk(3).indices.tolist() for t, x in zip(mixed["k"], seq))
+    again = run([("greedy", P()), ("hot", P(temperature=1.5)), ("seeded", seeded), ("k", P(temperature=1, top_k=3))],
+                lambda s: ["greedy", "hot", "seeded", "k"])
+    assert again == run([("greedy", P()), ("hot", P(temperature=1.5)), ("seeded", seeded),
+                         ("k", P(temperature=1, top_k=3))], lambda s: ["greedy", "hot", "seeded", "k"])
+    other = run([("seeded", P(temperature=1.0, top_p=0.9, seed=1235))], lambda s: ["seeded"])
+    assert other["seeded"] != alone["seeded"]
+
+
+def test_resumed_request_continues_its_seeded_stream():
+    torch.manual_seed(9)
+    logits = [torch.randn(1, V) for _ in range(6)]
+    p = P(temperature=1.0, seed=42)
+    st = _state()
+    s = st.acquire(p)
+    st.flush()
+    full = [st.sample(x.clone(), _slots(s)).token_ids.item() for x in logits]
+    st2 = _state()
+    s2 = st2.acquire(p, output_ids=full[:3])  # preempted after 3 tokens, recomputed
+    st2.flush()
+    assert [st2.sample(x.clone(), _slots(s2)).token_ids.item() for x in logits[3:]] == full[3:]
+
+
+def test_slots_are_reused_cleanly():
+    st = _state(slots=2)
+    a = st.acquire(P(logit_bias={3: 50.0}, presence_penalty=2.0), [1], [3, 3])
+    st.release(a)
+    b = st.acquire(P())
+    st.flush()
+    x = torch.zeros(1, V)
+    x[0, 9] = 1.0
+    assert st.sample(x, _slots(b)).token_ids.item() == 9  # no bias or penalty left from the slot's last user
+    st.acquire(P())
+    with pytest.raises(RuntimeError, match="all 2 sampling slots are in use"):
+        st.acquire(P())
+
+
+@pytest.mark.gpu
+def test_gpu_matches_cpu():
+    torch.manual_seed(10)
+    logits = torch.randn(6, 2000) * 3
+    params = [P(), P(temperature=0.8, top_k=50, top_p=0.95, seed=1), P(temperature=1.0, seed=2),
+              P(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, seed=3),
+              P(temperature=1.2, min_tokens=4, logit_bias={5: 3.0}, seed=4), P(temperature=0.5, top_k=7, seed=5)]
+    res = []
+    for dev in ("cpu", "cuda"):
+        st = SamplerState(8, 2000, dev, max_stop_ids=8)
+        slots = [st.acquire(p, [1, 2, 3], [4, 5], stop_ids=[0, 1]) for p in params]
+        st.flush()
+        s = torch.tensor(slots, device=dev)
+        res.append([st.sample(logits.clone().to(dev), s).token_ids.cpu() for _ in range(3)])  # in place
+    assert all(torch.equal(a, b) for a, b in zip(*res))

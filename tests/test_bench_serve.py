@@ -195,6 +195,35 @@ def test_prefix_dataset_on_chat_and_sharegpt(live, cache_dir, tmp_path):
     assert r.exit_code == 2 and "missing.json is not a file" in r.output
 
 
+def test_sampling_options_reach_the_server(live, monkeypatch):
+    seen = []
+    add_request = live.manager.add_request
+
+    def recording(prompt, params=None, **kw):
+        seen.append(params)
+        return add_request(prompt, params, **kw)
+
+    monkeypatch.setattr(live.manager, "add_request", recording)
+    r = _serve(live.url, "--num-prompts", "2", "--input-len", "6", "--output-len", "3", "--temperature", "0.8",
+               "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--presence-penalty", "0.5",
+               "--frequency-penalty", "-0.5", "--repetition-penalty", "1.1")
+    assert r.exit_code == 0, r.output
+    assert ("Sampling sent: temperature 0.8, top_p 0.9, top_k 5, min_p 0.1, presence_penalty 0.5, "
+            "frequency_penalty -0.5, repetition_penalty 1.1 ") in " ".join(r.output.split()) + " "
+    assert len(seen) == 2 and {(p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                p.repetition_penalty, p.min_tokens, p.stop_on_eos) for p in seen} == \
+        {(0.8, 0.9, 5, 0.1, 0.5, -0.5, 1.1, 3, False)}
+    seen.clear()
+    r = _serve(live.url, "--num-prompts", "1", "--input-len", "6", "--output-len", "3")
+    assert r.exit_code == 0, r.output
+    # the defaults are not sent: the server's own apply
+    assert "Sampling sent: temperature 0 " in " ".join(r.output.split())
+    p = seen[0]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.0, 1.0, 0, 0.0, 1.0)
+    r = _serve(live.url, "--num-prompts", "1", "--min-p", "2")
+    assert r.exit_code == 2 and "--min-p must be in [0, 1]" in r.output
+
+
 def test_wrong_key_and_no_server_fail_before_the_run(live):
     r = _serve(live.url, "--num-prompts", "2", key="sk-wrong")
     assert r.exit_code == 2 and "refused the API key (HTTP 401" in r.output and "Traceback" not in r.output

@@ -48,12 +48,19 @@ PLAUSIBLE = {
     "n": st.just(1),
     "model": st.just(MODEL),
     "user": text,
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_p": st.floats(0, 1),
+    "min_tokens": st.integers(0, 6),
+    "logit_bias": st.dictionaries(st.integers(-1, VOCAB).map(str), st.floats(-100, 100), max_size=3),
 }
 COMMON = ["model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
           "stream_options", "ignore_eos", "presence_penalty", "frequency_penalty", "logit_bias", "user",
+          "repetition_penalty", "min_p", "min_tokens", "response_format", "tools", "tool_choice", "modalities",
           "unknown_field"]
 COMPLETION_FIELDS = COMMON + ["prompt", "echo", "logprobs", "best_of", "suffix"]
-CHAT_FIELDS = COMMON + ["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools"]
+CHAT_FIELDS = COMMON + ["messages", "max_completion_tokens", "logprobs", "top_logprobs"]
 
 message = st.fixed_dictionaries(
     {"role": st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "developer"]), text),

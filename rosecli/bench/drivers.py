@@ -58,7 +58,8 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
     returned = [0.0] * n
     index_of: dict[int, int] = {}
     failures: list[Failure] = []
-    per_params = [dataclasses.replace(params, max_new_tokens=m) for m in workload.max_new_tokens]
+    per_params = [dataclasses.replace(params, max_new_tokens=m, min_tokens=min(params.min_tokens, m))
+                  for m in workload.max_new_tokens]
     start = time.perf_counter()
     submit_end = [start]
 
@@ -143,7 +144,8 @@ def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
     each request's submit, first token and finish (by finished event) are timestamped. Prompts
     are tokenized and checked by ``inputs`` (the engine's input processor) as they are added."""
     n = len(workload.prompts)
-    per_params = [dataclasses.replace(params, max_new_tokens=m) for m in workload.max_new_tokens]
+    per_params = [dataclasses.replace(params, max_new_tokens=m, min_tokens=min(params.min_tokens, m))
+                  for m in workload.max_new_tokens]
     online = mode == "online"
     start = time.perf_counter()
     ids, submit = [], {}

@@ -82,6 +82,12 @@ RequestRate = o.WORKLOAD_OPTIONS["request_rate"].annotation()
 WarmupRuns = o.WORKLOAD_OPTIONS["warmup_runs"].annotation()
 RepeatRuns = o.WORKLOAD_OPTIONS["repeat_runs"].annotation()
 Temperature = o.SAMPLING_OPTIONS["temperature"].annotation()
+TopP = o.SAMPLING_OPTIONS["top_p"].annotation()
+TopK = o.SAMPLING_OPTIONS["top_k"].annotation()
+MinP = o.SAMPLING_OPTIONS["min_p"].annotation()
+PresencePenalty = o.SAMPLING_OPTIONS["presence_penalty"].annotation()
+FrequencyPenalty = o.SAMPLING_OPTIONS["frequency_penalty"].annotation()
+RepetitionPenalty = o.SAMPLING_OPTIONS["repetition_penalty"].annotation()
 StopOnEos = o.SAMPLING_OPTIONS["stop_on_eos"].annotation()
 
 
@@ -262,7 +268,9 @@ def serve(
     prefix_groups: PrefixGroups = 4, prefix_len: PrefixLen = 256,
     request_rate: RequestRate = None, burstiness: Burstiness = 1.0, max_concurrency: MaxConcurrency = None,
     seed: ServeSeed = 0, warmup_runs: WarmupRuns = 0, repeat_runs: RepeatRuns = 1,
-    temperature: Temperature = None, stop_on_eos: StopOnEos = False,
+    temperature: Temperature = None, top_p: TopP = 1.0, top_k: TopK = 0, min_p: MinP = 0.0,
+    presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0, stop_on_eos: StopOnEos = False,
     metric_percentiles: MetricPercentiles = "50,95,99", goodput: Goodput = None, save_result: SaveResult = None,
 ) -> None:
     """Serving benchmark over HTTP/SSE against any OpenAI-compatible server: TTFT / TPOT / ITL / E2EL, goodput."""
@@ -288,9 +296,14 @@ def serve(
                                  output_len if output_len is not None or dataset == "sharegpt" else 128,
                                  range_ratio, prefix_groups, prefix_len, seed)
     offsets = datasets.arrival_offsets(num_prompts, request_rate, burstiness, seed)
+    given = {"top_p": top_p, "top_k": top_k, "min_p": min_p, "presence_penalty": presence_penalty,
+             "frequency_penalty": frequency_penalty, "repetition_penalty": repetition_penalty}
+    with o.flag_names():  # the server checks them too; a bad one is refused here, naming its flag
+        SamplingParams(**given)
+    sampling = {"temperature": 0.0 if temperature is None else temperature}
+    sampling.update((k, v) for k, v in given.items() if v != o.option_default(o.SAMPLING_OPTIONS, k))
     target = http_client.Target(http_client.normalize_base_url(base_url), endpoint, model, api_key, request_timeout,
-                                ignore_eos=not stop_on_eos,
-                                extra_body={"temperature": 0.0 if temperature is None else temperature})
+                                ignore_eos=not stop_on_eos, extra_body=sampling)
     console = Console()
     http_client.check_server(target)  # a server that is not there: one line, before anything else
     tok = _serve_tokenizer(tokenizer, target.chat or dataset == "sharegpt", console)
@@ -300,7 +313,8 @@ def serve(
               "Output tokens (mean)": f"{sum(r.output_len for r in requests) / num_prompts:.1f}",
               "Arrivals": ("all at once" if request_rate is None or request_rate == float("inf") else
                            f"{request_rate} req/s, burstiness {burstiness} (seed {seed})"),
-              "Max concurrency": max_concurrency, "ignore_eos/min_tokens sent": target.ignore_eos}
+              "Max concurrency": max_concurrency, "ignore_eos/min_tokens sent": target.ignore_eos,
+              "Sampling sent": ", ".join(f"{k} {v:g}" for k, v in sampling.items())}
     if slo:
         header["Goodput SLOs"] = ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items())
     console.print("=== serving benchmark (HTTP) ===", highlight=False)
@@ -317,7 +331,7 @@ def serve(
                   "output_len": spec.output_len, "range_ratio": range_ratio, "prefix_groups": prefix_groups,
                   "prefix_len": prefix_len, "request_rate": request_rate, "burstiness": burstiness,
                   "max_concurrency": max_concurrency, "seed": seed, "warmup_runs": warmup_runs,
-                  "repeat_runs": repeat_runs, "temperature": target.extra_body["temperature"],
+                  "repeat_runs": repeat_runs, "temperature": target.extra_body["temperature"], **given,
                   "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles),
                   "goodput_ms": {k: v * 1e3 for k, v in slo.items()}, "tokenizer": tokenizer}
         results.save_result(save_result, "serve", config, {}, out["runs"], out["summary"], out["requests"])

@@ -123,6 +123,16 @@ SAMPLING_OPTIONS: dict[str, Opt] = {
                        "with --do-sample.", SAMPLING, default=None),
     "top_k": Opt("--top-k", int, "Keep the k most likely tokens (0: all).", SAMPLING, max=MAX_INT32),
     "top_p": Opt("--top-p", float, "Keep the smallest set of tokens whose mass reaches p.", SAMPLING),
+    "min_p": Opt("--min-p", float, "Drop tokens less likely than min-p times the most likely one (0: off).",
+                 SAMPLING),
+    "presence_penalty": Opt("--presence-penalty", float, "Subtract this from the logit of every token already "
+                            "generated, -2..2 (0: off; OpenAI's).", SAMPLING),
+    "frequency_penalty": Opt("--frequency-penalty", float, "Subtract this times its count so far from each "
+                             "generated token's logit, -2..2 (0: off; OpenAI's).", SAMPLING),
+    "repetition_penalty": Opt("--repetition-penalty", float, "Divide positive logits (multiply negative ones) of "
+                              "tokens in the prompt or the output by this (1: off; vLLM's and HF's).", SAMPLING),
+    "min_tokens": Opt("--min-tokens", int, "Generate at least this many tokens before EOS, a stop token or a stop "
+                      "string may end a request.", SAMPLING, max=MAX_INT32),
     "do_sample": Opt("--do-sample", bool, "Sample instead of greedy decoding.", SAMPLING, default=False),
     "stop_on_eos": Opt("--stop-on-eos/--no-stop-on-eos", bool, "Stop at the model's EOS token.", SAMPLING),
     "stop": Opt("--stop", Optional[list[str]], "Stop string (repeatable); not included in the output.", SAMPLING,
@@ -299,7 +309,8 @@ def with_options(*groups: Group, defaults: Optional[dict[str, Any]] = None):
 # "_" into "-" (max_new_tokens -> --max-new-tokens).
 _FLAG_OF = {"enable_prefix_cache": "--prefix-cache"}
 _PARAM_NAMES = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_on_eos", "stop",
-                "enable_prefix_cache")
+                "enable_prefix_cache", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                "min_tokens")
 _PARAM_RE = re.compile(r"(?<![\w-])(" + "|".join(_PARAM_NAMES) + r")(?![\w-])")
 
 

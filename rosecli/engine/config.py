@@ -183,6 +183,13 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters; each token looks for every stop string near the text's end
 MAX_STOP_TOKEN_IDS = 1024
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
+# repetition_penalty divides positive logits (multiplies negative ones): 1 is off. A tiny one would
+# blow a logit past float32, so it has a floor; past 100 every seen token is as good as banned.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # each bias within -100..100, as OpenAI's
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries (also the sampler's)
 
 
 def _is_number(value) -> bool:
@@ -193,10 +200,18 @@ def _is_number(value) -> bool:
 class SamplingParams:
     """How one request samples and stops.
 
-    temperature == 0 means greedy decoding (so does one below 1e-5); top_k == 0 and top_p == 1
-    disable those filters. Ranges: max_new_tokens 1..2**31-1, temperature 0..100, top_k
-    0..2**31-1, top_p (0, 1], seed 0..2**64-1, at most 16 stop strings of 1..256 characters, at
-    most 1024 stop token ids in 0..2**31-1.
+    temperature == 0 means greedy decoding (so does one below 1e-5); top_k == 0, top_p == 1,
+    min_p == 0, penalties 0 (presence, frequency) or 1 (repetition) disable those. Ranges:
+    max_new_tokens 1..2**31-1, temperature 0..100, top_k 0..2**31-1, top_p (0, 1], min_p [0, 1],
+    presence_penalty and frequency_penalty -2..2, repetition_penalty 1e-6..100, min_tokens
+    0..max_new_tokens, logit_bias at most 300 entries {token id: bias in -100..100}, seed
+    0..2**64-1, at most 16 stop strings of 1..256 characters, at most 1024 stop token ids in
+    0..2**31-1. Token ids of logit_bias are checked against the vocabulary by the input processor.
+
+    Semantics are vLLM's: penalties apply to greedy rows too; presence and frequency penalties
+    count output tokens, repetition_penalty prompt and output tokens; until ``min_tokens`` tokens
+    were generated, EOS and ``stop_token_ids`` cannot be sampled and stop strings do not end the
+    request; ``logit_bias`` is added to the logits before the penalties.
     """
 
     max_new_tokens: int = 128
@@ -207,6 +222,12 @@ class SamplingParams:
     stop_on_eos: bool = True
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
@@ -237,6 +258,28 @@ class SamplingParams:
                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, MAX_INT32)
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                   f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g} (0: off), got {value!r}")
+        _check(_is_number(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               f"repetition_penalty must be between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g} "
+               f"(1: off), got {self.repetition_penalty!r}")
+        _check_int("min_tokens", self.min_tokens, 0)
+        _check(self.min_tokens <= self.max_new_tokens,
+               f"min_tokens must be at most max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        _check(isinstance(self.logit_bias, dict),
+               f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+               f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        for t, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", t, 0, MAX_INT32)
+            _check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   f"logit_bias of token {t} must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
+                   f"got {bias!r}")
+        self.logit_bias = {t: float(bias) for t, bias in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:

@@ -102,12 +102,25 @@ class InputProcessor:
             raise RequestError(f"token id {lo if lo < 0 else hi} is outside the vocabulary "
                               f"[0, {self.vocab_size})", param)
 
-    def process(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> list[int]:
-        """The checked token ids of ``prompt`` (text is tokenized without special tokens).
+    def check_params(self, params: SamplingParams) -> None:
+        """What of ``params`` depends on the vocabulary: every token id of ``logit_bias`` in it
+        (a bias on a token the model cannot produce is a mistake, as OpenAI's API answers)."""
+        bias = getattr(params, "logit_bias", None)
+        if bias and self.vocab_size is not None:
+            bad = next((t for t in bias if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                                   "logit_bias")
 
-        ``params`` checked itself when built (`SamplingParams`); a stop token id outside the
-        vocabulary is allowed here (it never matches) and refused by the HTTP layer, which
+    def process(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> list[int]:
+        """The checked token ids of ``prompt`` (text is tokenized without special tokens), and
+        the parts of ``params`` that depend on the vocabulary (``check_params``).
+
+        ``params`` checked its own ranges when built (`SamplingParams`); a stop token id outside
+        the vocabulary is allowed here (it never matches) and refused by the HTTP layer, which
         checks it with ``check_token_ids`` as OpenAI's API does."""
+        if params is not None:
+            self.check_params(params)
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(token_ids)
         return token_ids

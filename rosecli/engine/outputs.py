@@ -12,6 +12,10 @@ text is cut before it and the request is finished in the scheduler at once
 (``scheduler.finish_request``), before the next step: with overlap scheduling its token in the
 step already in flight is dropped, exactly as for EOS at that step, and nothing after the stop
 reaches the caller. The final text is the pieces sent, concatenated.
+
+``min_tokens`` (vLLM's semantics): the text of a request's first ``min_tokens`` tokens is never
+searched for a stop string, and no stop string ends it before then; the first token after that
+searches its own new text (a stop string may begin in the earlier text and end in it, as any).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def find_stop(text: str, stops: list[str], start: int) -> int:
 class RequestState:
     """One request's text and stream, owned by the worker thread once the request is admitted."""
 
-    __slots__ = ("rid", "params", "stops", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
+    __slots__ = ("rid", "params", "stops", "min_tokens", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
                  "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
                  "abandoned", "cached_tokens", "error", "token_ids")
 
@@ -87,6 +91,7 @@ class RequestState:
         self.rid = rid
         self.params = params
         self.stops = params.stop
+        self.min_tokens = getattr(params, "min_tokens", 0)
         self.sink = sink
         self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
         self.detok: Optional[IncrementalDetokenizer] = None
@@ -170,7 +175,7 @@ class OutputProcessor:
                         req.ts.token_times.append(now)
                     piece = req.detok.push(tok)
                     req.pending_tokens += 1
-                    if req.stops and piece:
+                    if req.stops and piece and req.output_tokens > req.min_tokens:
                         start = len(req.unsent)
                         req.unsent += piece
                         cut = find_stop(req.unsent, req.stops, start)
@@ -208,7 +213,8 @@ class OutputProcessor:
             if tail:
                 start = len(req.unsent)
                 req.unsent += tail
-                cut = find_stop(req.unsent, req.stops, start) if req.stops else -1
+                cut = (find_stop(req.unsent, req.stops, start)
+                       if req.stops and req.output_tokens > req.min_tokens else -1)
                 if cut >= 0:
                     req.unsent = req.unsent[:cut]
                     reason = "stop"

@@ -330,10 +330,11 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> Optional[FinishReason]:
         p = seq.params
-        if p.stop_on_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in p.stop_token_ids:
-            return FinishReason.STOP
+        if length - seq.num_prompt_tokens >= p.min_tokens:  # before min_tokens neither ends it (as vLLM)
+            if p.stop_on_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                return FinishReason.STOP
         if self._length_reached(seq, length):
             return FinishReason.LENGTH
         return None

@@ -5,10 +5,13 @@ Tokenizing, the chat template and the engine's own checks of a prompt are the in
 processor's (`rosecli.engine.inputs`).
 
 Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completions,
-``temperature`` 1.0, ``n`` 1); the extensions vLLM users expect (``top_k``, ``ignore_eos``,
-``stop_token_ids``) are accepted too. Unknown fields are ignored, as OpenAI and vLLM do;
-known fields this server cannot honour (``n`` > 1, ``logprobs``, penalties ...) are refused
-with a 400 rather than silently ignored.
+``temperature`` 1.0, ``n`` 1); the extensions vLLM users expect (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are honoured too.
+Every field of OpenAI's two request bodies, and vLLM's extensions, is honoured, accepted because
+it cannot change the output (``user``, ``metadata``, ``store``, ...), or, when set to anything
+that would change the output, refused with a 400 that names it (``n`` > 1, ``logprobs``,
+``tools``, ``response_format`` other than text, ...: `REFUSED`); nothing that changes the output
+is silently ignored. Fields nobody defines are ignored, as vLLM does. docs/server.md has the table.
 
 Types are strict (``"stream": "yes"`` and ``"max_tokens": "3"`` are 400s, not coerced) and every
 number is range-checked here, where it enters, against what the engine can represent: a value
@@ -23,7 +26,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError
 
 from rosecli.engine.config import (MAX_INT32, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                    SamplingParams)
@@ -115,6 +118,76 @@ def shutting_down() -> APIError:
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+def _unset(value) -> bool:
+    return value is None
+
+
+def _is(*neutral):
+    """The value is None, or equal to one of ``neutral`` and of the same type (``0`` is no ``False``)."""
+    return lambda value: value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
+# Fields this server does not declare (OpenAI's and vLLM's) that would change the output: each is
+# refused with a 400 naming it unless it holds a value that changes nothing (None, or the
+# neutral values given). The reason says what the server does instead.
+_NO_TOOLS = "this server has no tool (function) calling yet"
+_NO_STRUCTURED = "this server has no structured output (guided decoding) yet"
+REFUSED: dict[str, tuple] = {
+    # OpenAI chat completions
+    "tools": (_is([]), _NO_TOOLS),
+    "tool_choice": (_is("none"), _NO_TOOLS),
+    "functions": (_is([]), _NO_TOOLS),
+    "function_call": (_is("none"), _NO_TOOLS),
+    "parallel_tool_calls": (_unset, _NO_TOOLS),
+    "response_format": (_is({"type": "text"}), f"{_NO_STRUCTURED}: {{\"type\": \"text\"}} is the one value accepted"),
+    "audio": (_unset, "this server generates text only"),
+    "modalities": (_is(["text"]), "this server generates text only: [\"text\"] is the one value accepted"),
+    "prediction": (_unset, "this server has no predicted outputs"),
+    "web_search_options": (_unset, "this server has no web search"),
+    "reasoning_effort": (_unset, "this server passes nothing to a reasoning model's template"),
+    "verbosity": (_unset, "this server passes nothing to a reasoning model's template"),
+    "moderation": (_unset, "this server runs no moderation"),
+    # vLLM's extensions
+    "best_of": (_is(1), "this server returns one choice per request"),
+    "echo": (_is(False), "this server does not echo the prompt yet"),
+    "use_beam_search": (_is(False), "this server has no beam search"),
+    "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
+    "include_stop_str_in_output": (_is(False), "this server leaves stop strings out of the output"),
+    "skip_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
+    "spaces_between_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
+    "truncate_prompt_tokens": (_unset, "this server never truncates a prompt (a prompt too long is a 400)"),
+    "allowed_token_ids": (_unset, "use logit_bias"),
+    "bad_words": (_is([]), "use logit_bias"),
+    "prompt_logprobs": (_unset, "this server returns no logprobs yet"),
+    "guided_json": (_unset, _NO_STRUCTURED),
+    "guided_regex": (_unset, _NO_STRUCTURED),
+    "guided_choice": (_unset, _NO_STRUCTURED),
+    "guided_grammar": (_unset, _NO_STRUCTURED),
+    "guided_decoding_backend": (_unset, _NO_STRUCTURED),
+    "guided_whitespace_pattern": (_unset, _NO_STRUCTURED),
+    "structured_outputs": (_unset, _NO_STRUCTURED),
+    "logits_processors": (_unset, "this server runs no custom logits processors"),
+    "return_tokens_as_token_ids": (_is(False), "this server returns text only"),
+    "return_token_ids": (_is(False), "this server returns text only"),
+    "add_special_tokens": (_is(False), "this server tokenizes prompts without special tokens (chat: the "
+                                       "template adds its own)"),
+    "add_generation_prompt": (_is(True), "this server always adds the template's generation prompt"),
+    "continue_final_message": (_is(False), "this server always starts a new assistant message"),
+    "chat_template": (_unset, "this server uses the model's own chat template"),
+    "chat_template_kwargs": (_is({}), "this server passes nothing else to the chat template"),
+    "documents": (_unset, "this server passes nothing else to the chat template"),
+    "mm_processor_kwargs": (_unset, "this server takes text only"),
+    "prompt_embeds": (_unset, "this server takes text or token ids only"),
+    "vllm_xargs": (_unset, "this server takes no extra arguments"),
+}
+# Fields accepted because they cannot change the output (documented in docs/server.md): ``user``,
+# ``metadata``, ``store``, ``service_tier``, ``safety_identifier``, ``prompt_cache_key``,
+# ``prompt_cache_options``, ``prompt_cache_retention``, ``stream_options.include_obfuscation``,
+# vLLM's ``priority``, ``request_id``, ``cache_salt``: ignored, as every field nobody defines.
+
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,20}")
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -122,6 +195,8 @@ class StreamOptions(BaseModel):
 
 class SamplingRequest(BaseModel):
     model_config = _STRICT
+    # the body's fields of `REFUSED` this model does not declare, as sent (``parse_body``)
+    _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     model: Optional[str] = None
     max_tokens: Optional[int] = None
@@ -138,17 +213,21 @@ class SamplingRequest(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    # vLLM's
+    repetition_penalty: Optional[float] = None
+    min_p: Optional[float] = None
+    min_tokens: Optional[int] = None
     user: Optional[str] = None
 
     def check_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise unsupported(f"n={self.n} is not supported: this server returns one choice per request "
                               "(send n separate requests)", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise unsupported(f"{name} is not supported by this server (leave it unset or 0)", name)
-        if self.logit_bias:
-            raise unsupported("logit_bias is not supported by this server", "logit_bias")
+        for name, value in self._undeclared.items():
+            rule = REFUSED.get(name)
+            if rule is not None and not rule[0](value):
+                shown = {dict: "{...}", list: "[...]"}.get(type(value)) or json.dumps(value)[:60]
+                raise unsupported(f"{name}={shown} is not supported: {rule[1]} (leave {name} out)", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -167,13 +246,14 @@ class CompletionRequest(SamplingRequest):
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.echo:
-            raise unsupported("echo is not supported by this server", "echo")
+            raise unsupported("echo is not supported by this server yet (leave it out or false)", "echo")
         if self.logprobs is not None:
-            raise unsupported("logprobs is not supported by this server", "logprobs")
+            raise unsupported("logprobs is not supported by this server yet (leave it out)", "logprobs")
         if self.best_of not in (None, 1):
-            raise unsupported(f"best_of={self.best_of} is not supported: only 1", "best_of")
+            raise unsupported(f"best_of={self.best_of} is not supported: this server returns one choice per "
+                              "request (leave it out or 1)", "best_of")
         if self.suffix:
-            raise unsupported("suffix is not supported by this server", "suffix")
+            raise unsupported("suffix (insertion) is not supported by this server (leave it out)", "suffix")
 
 
 class ContentPart(BaseModel):
@@ -194,14 +274,14 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list[dict[str, Any]]] = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise unsupported("logprobs is not supported by this server", "logprobs")
-        if self.tools:
-            raise unsupported("tools are not supported by this server", "tools")
+        if self.logprobs:
+            raise unsupported("logprobs is not supported by this server yet (leave it out or false)", "logprobs")
+        if self.top_logprobs:
+            raise unsupported("top_logprobs is not supported by this server yet (leave it out or 0)",
+                              "top_logprobs")
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
 
@@ -300,12 +380,38 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
         inputs.check_token_ids(stop_token_ids, "stop_token_ids")  # before SamplingParams: it names the field
     except RequestError as e:
         raise bad_request(str(e), "stop_token_ids") from None
+    min_tokens = req.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must not exceed {max_param} ({max_tokens})", "min_tokens")
+    extra = {name: float(value) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+             if (value := getattr(req, name)) is not None}
     try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
-                              top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
-                              stop_token_ids=stop_token_ids)
-    except ConfigError as e:  # the engine's own checks: their messages name the parameter
-        raise bad_request(str(e)) from None
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
+                                top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
+                                stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                                logit_bias=logit_bias(req.logit_bias), **extra)
+    except ConfigError as e:  # the engine's own checks: their messages begin with the field's name
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), {"max_new_tokens": max_param, "stop_on_eos": "ignore_eos"}.get(
+            name, name if name in SamplingRequest.model_fields else None)) from None
+    try:
+        inputs.check_params(params)  # logit_bias within the vocabulary
+    except RequestError as e:
+        raise bad_request(str(e), e.param) from None
+    return params
+
+
+def logit_bias(wire: Optional[dict[str, float]]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys, so strings) as {token id: bias};
+    the ranges are `SamplingParams`' to check."""
+    out: dict[int, float] = {}
+    for key, bias in (wire or {}).items():
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            shown = key if len(key) <= 40 else key[:37] + "..."
+            raise bad_request(f"logit_bias keys must be token ids written as decimal strings (such as \"50256\"), "
+                              f"got {shown!r}", "logit_bias")
+        out[int(key)] = bias
+    return out
 
 
 def prompt_chars(req: SamplingRequest) -> int:
@@ -375,11 +481,13 @@ def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
                               "(an unpaired \\ud800-\\udfff escape), which is not a character",
                               where or None, INVALID_VALUE)
     try:
-        return model.model_validate(obj)
+        req = model.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
     except RecursionError:
         raise bad_request("the request body is nested too deeply", None, INVALID_JSON) from None
+    req._undeclared = {k: v for k, v in obj.items() if k in REFUSED and k not in model.model_fields}
+    return req
 
 
 # --- responses --------------------------------------------------------------------------------

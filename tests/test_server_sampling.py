@@ -1,0 +1,252 @@
+"""Every field of OpenAI's completions and chat-completions request bodies (and vLLM's extensions)
+is honoured, accepted because it changes nothing, or refused with a 400 that names it (issue 18):
+through a real uvicorn server (tests/test_server.py's LiveServer), raw httpx and the official
+openai client. What reached the engine is read off the manager's ``add_request``."""
+
+from __future__ import annotations
+
+import pytest
+
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    pytest.importorskip(_extra)
+
+import json
+
+import httpx
+import openai
+
+from rosecli.engine.config import SamplingParams
+from test_server import MODEL, LiveServer
+
+MSG = [{"role": "user", "content": "hi"}]
+ENDPOINTS = {"completions": ("/v1/completions", {"model": MODEL, "prompt": "The capital of France is"}),
+             "chat": ("/v1/chat/completions", {"model": MODEL, "messages": MSG})}
+
+
+@pytest.fixture(scope="module")
+def live(cache_dir):
+    srv = LiveServer(cache_dir)
+    seen: list[SamplingParams] = []
+    add_request = srv.manager.add_request
+
+    def recording(prompt, params=None, **kw):
+        seen.append(params)
+        return add_request(prompt, params, **kw)
+
+    srv.manager.add_request = recording  # the app calls the manager it was given
+    srv.seen = seen
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        yield c
+
+
+def post(http, endpoint: str, stream: bool, **fields) -> httpx.Response:
+    path, base = ENDPOINTS[endpoint]
+    body = {**base, "max_tokens": 4, **fields}
+    if stream:
+        body["stream"] = True
+    return http.post(path, json=body)
+
+
+def text_of(r: httpx.Response, endpoint: str, stream: bool) -> str:
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]", events
+    out = ""
+    for e in events[:-1]:
+        choice = json.loads(e)["choices"][0]
+        out += (choice["delta"].get("content") or "") if endpoint == "chat" else choice["text"]
+    return out
+
+
+def sent(live) -> SamplingParams:
+    return live.seen[-1]
+
+
+CASES = [(e, s) for e in ENDPOINTS for s in (False, True)]
+IDS = [f"{e}-{'stream' if s else 'json'}" for e, s in CASES]
+
+# --- honoured ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("endpoint,stream", CASES, ids=IDS)
+def test_every_honoured_field_reaches_the_engine(live, http, endpoint, stream):
+    r = post(http, endpoint, stream, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5,
+             frequency_penalty=-0.5, repetition_penalty=1.2, min_tokens=2, logit_bias={"5": 10, "17": -100},
+             seed=42, stop=["zz"], stop_token_ids=[3], ignore_eos=True, max_tokens=6)
+    text_of(r, endpoint, stream)
+    p = sent(live)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.presence_penalty, p.frequency_penalty,
+            p.repetition_penalty, p.min_tokens, p.logit_bias, p.seed, p.stop, p.stop_token_ids, p.stop_on_eos,
+            p.max_new_tokens) == (0.7, 0.9, 5, 0.1, 0.5, -0.5, 1.2, 2, {5: 10.0, 17: -100.0}, 42, ["zz"], [3],
+                                  False, 6)
+
+
+def test_unset_fields_reach_the_engine_as_off(live, http):
+    text_of(post(http, "completions", False), "completions", False)
+    p = sent(live)
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_tokens, p.logit_bias) == \
+        (0.0, 0.0, 0.0, 1.0, 0, {})
+
+
+def test_max_completion_tokens_is_max_tokens(live, http):
+    text_of(post(http, "chat", False, max_completion_tokens=3), "chat", False)
+    assert sent(live).max_new_tokens == 3
+
+
+NO_EFFECT = {"user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+             "safety_identifier": "s", "prompt_cache_key": "k", "prompt_cache_retention": "24h",
+             "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "priority": 0,
+             "best_of": 1, "n": 1, "skip_special_tokens": True, "modalities": ["text"]}
+
+
+@pytest.mark.parametrize("endpoint,stream", CASES, ids=IDS)
+def test_fields_that_change_nothing_are_accepted(live, http, endpoint, stream):
+    plain = text_of(post(http, endpoint, stream, temperature=0, ignore_eos=True), endpoint, stream)
+    fields = dict(NO_EFFECT)
+    if stream:
+        fields["stream_options"] = {"include_usage": False, "include_obfuscation": True}
+    if endpoint == "completions":
+        fields.update(echo=False, suffix="")
+    else:
+        fields.update(logprobs=False, top_logprobs=0)
+    assert text_of(post(http, endpoint, stream, temperature=0, ignore_eos=True, **fields), endpoint, stream) == plain
+
+
+def test_min_tokens_keeps_a_stop_string_from_ending_the_request(http):
+    """The tiny model repeats one token; a stop string inside it ends the request at the first
+    token, or, with min_tokens, at the first token after them."""
+    full = text_of(post(http, "completions", False, temperature=0, ignore_eos=True, max_tokens=6), "completions",
+                   False)
+    piece = full[:len(full) // 6]
+    stop = piece[1:3]
+    for stream in (False, True):
+        r = post(http, "completions", stream, temperature=0, ignore_eos=True, max_tokens=6, stop=[stop])
+        assert text_of(r, "completions", stream) == piece[:1]
+        r = post(http, "completions", stream, temperature=0, ignore_eos=True, max_tokens=6, stop=[stop], min_tokens=3)
+        assert text_of(r, "completions", stream) == full[:3 * len(piece) + 1]
+        r = post(http, "completions", stream, temperature=0, ignore_eos=True, max_tokens=6, stop=[stop], min_tokens=6)
+        assert text_of(r, "completions", stream) == full
+
+
+# --- refused -----------------------------------------------------------------------------------
+
+COMMON_REFUSED = [
+    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("parallel_tool_calls", False),
+    ("response_format", {"type": "json_object"}), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
+    ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1), ("guided_json", {}),
+    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"), ("structured_outputs", {}),
+    ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
+]
+COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("echo", True), ("logprobs", 0), ("logprobs", 3),
+                                      ("suffix", "end")]
+CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True), ("logprobs", True), ("top_logprobs", 2),
+                                 ("add_generation_prompt", False), ("continue_final_message", True),
+                                 ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"enable_thinking": True}),
+                                 ("documents", [{"text": "d"}])]
+
+
+def _refused(r: httpx.Response, field: str) -> dict:
+    """A 400 whose param is ``field`` (or a path inside it: ``logit_bias.5``)."""
+    assert r.status_code == 400, (field, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field or err["param"].startswith(field + "."), (field, err)
+    assert err["type"] == "invalid_request_error", err
+    assert field in err["message"], err
+    return err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_every_refused_field_is_a_400_naming_it(http, endpoint, stream):
+    for field, value in COMPLETION_REFUSED if endpoint == "completions" else CHAT_REFUSED:
+        err = _refused(post(http, endpoint, stream, **{field: value}), field)
+        assert err["code"] == "unsupported_parameter", err
+
+
+BAD_VALUES = [
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0), ("repetition_penalty", -1),
+    ("min_p", 1.5), ("min_p", -0.1), ("min_tokens", -1), ("min_tokens", 5), ("min_tokens", 10 ** 30),
+    ("min_tokens", "2"), ("min_p", "0.1"), ("presence_penalty", True),
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"1.5": 1}), ("logit_bias", {" 5": 1}), ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": "1"}), ("logit_bias", [5]),
+    ("logit_bias", {str(i): 1 for i in range(301)}), ("logit_bias", {"9" * 40: 1}),
+]
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_bad_values_are_a_400_naming_the_field(http, endpoint):
+    for field, value in BAD_VALUES:
+        for stream in (False, True):
+            _refused(post(http, endpoint, stream, max_tokens=4, **{field: value}), field)
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_400_naming_the_id(live, http):
+    vocab = live.engine.inputs.vocab_size
+    for endpoint in ENDPOINTS:
+        for bad in (vocab, vocab + 1000, 2 ** 31 - 1):
+            err = _refused(post(http, endpoint, False, logit_bias={"5": 1, str(bad): -3}), "logit_bias")
+            assert str(bad) in err["message"], err
+        text_of(post(http, endpoint, False, logit_bias={str(vocab - 1): -3}), endpoint, False)
+
+
+# --- the official client -----------------------------------------------------------------------
+
+def test_the_openai_client_sends_every_parameter(live):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    extra = {"top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
+             "stop_token_ids": [11]}
+    want = (0.25, -0.25, {5: 3.0, 9: -1.0}, 123, 7, 0.05, 1.1, 2, False, [11], 0.8, 0.95, 5)
+    common = dict(temperature=0.8, top_p=0.95, max_tokens=5, presence_penalty=0.25, frequency_penalty=-0.25,
+                  logit_bias={"5": 3, "9": -1}, seed=123, extra_body=extra, user="me")
+
+    def got():
+        p = sent(live)
+        return (p.presence_penalty, p.frequency_penalty, p.logit_bias, p.seed, p.top_k, p.min_p,
+                p.repetition_penalty, p.min_tokens, p.stop_on_eos, p.stop_token_ids, p.temperature, p.top_p,
+                p.max_new_tokens)
+
+    out = client.completions.create(model=MODEL, prompt="Hello", **common)
+    assert out.choices[0].finish_reason == "length" and got() == want
+    text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="Hello", stream=True,
+                                                                        **common))
+    assert text and got() == want
+    chat = client.chat.completions.create(model=MODEL, messages=MSG, **common)
+    assert chat.choices[0].message.content and got() == want
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSG, stream=True, **common))
+    assert chunks[-1].choices[0].finish_reason == "length" and got() == want
+
+
+def test_the_openai_client_hears_each_refusal(live):
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    calls = [
+        ("n", lambda: client.completions.create(model=MODEL, prompt="hi", n=2)),
+        ("logprobs", lambda: client.completions.create(model=MODEL, prompt="hi", logprobs=2)),
+        ("echo", lambda: client.completions.create(model=MODEL, prompt="hi", echo=True)),
+        ("logprobs", lambda: client.chat.completions.create(model=MODEL, messages=MSG, logprobs=True)),
+        ("response_format", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
+                                                                   response_format={"type": "json_object"})),
+        ("tools", lambda: client.chat.completions.create(
+            model=MODEL, messages=MSG, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        ("logit_bias", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
+                                                              logit_bias={"999999": 1})),
+        ("min_p", lambda: client.chat.completions.create(model=MODEL, messages=MSG, stream=True,
+                                                         extra_body={"min_p": 2})),
+    ]
+    for field, call in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400 and e.value.param == field, (field, e.value)

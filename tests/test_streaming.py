@@ -182,3 +182,45 @@ def test_engine_death_ends_streams_with_an_error(tiny_engine_factory, monkeypatc
             manager.add_request([5], SamplingParams())
     finally:
         manager.close()
+
+
+def test_run_until_idle_steps_the_engine_on_the_calling_thread(engine):
+    """`rose generate` and `LLMEngine.generate` step the engine on their own (main) thread: on CPU
+    torch's intra-op threads speed up the main thread only. Readers on other threads still stream."""
+    stepped_on = set()
+    step = engine.scheduler.step
+
+    def recording_step():
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.scheduler.step = recording_step
+    try:
+        manager = StreamingManager(engine, start=False)
+        try:
+            ids = [manager.add_request([300 + i, 301, 302], SamplingParams(max_new_tokens=6, **GREEDY))
+                   for i in range(3)]
+            texts = {}
+            readers = [threading.Thread(target=lambda r=r: texts.__setitem__(r, "".join(manager.stream(r))))
+                       for r in ids]
+            for t in readers:
+                t.start()
+            manager.run_until_idle()
+            for t in readers:
+                t.join(timeout=10)
+            assert stepped_on == {threading.get_ident()}
+            assert [texts[r] for r in ids] == [_text(engine, _alone(engine, [300 + i, 301, 302], 6))
+                                               for i in range(3)]
+            started = StreamingManager(engine)
+            try:
+                with pytest.raises(RuntimeError, match="start=False"):
+                    started.run_until_idle()
+            finally:
+                started.close()
+        finally:
+            manager.close()
+        outs = engine.generate([[400, 401]], SamplingParams(max_new_tokens=4, **GREEDY))
+        assert len(outs[0].token_ids) == 4 and stepped_on == {threading.get_ident()}
+    finally:
+        engine.scheduler.step = step
+    assert engine.scheduler.block_manager.num_used_blocks == 0

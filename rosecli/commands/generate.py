@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Annotated, Optional
 
@@ -48,26 +49,39 @@ def generate(
         manager = StreamingManager(engine, start=False)
         try:
             ids = [manager.add_request(x, params) for x in inputs]
-            manager.start()  # every prompt is admitted in the first step: one batch
-            out = sys.stdout
-            if len(prompts) == 1:
-                stream = manager.stream(ids[0])
-                for piece in stream:
-                    out.write(piece)
-                    out.flush()
-                out.write("\n")
-                outputs = [stream.output]
-            else:
-                outputs = [manager.result(rid) for rid in ids]
-                for i, r in enumerate(outputs):
-                    out.write(f"=== [{i}] {prompts[i]}\n{r.text}\n")
-            out.flush()
+            streams = [manager.stream(rid) for rid in ids]
+            failed: list[BaseException] = []
+            printer = threading.Thread(target=_print, args=(streams, prompts, sys.stdout, failed), daemon=True)
+            printer.start()
+            # the engine steps on this thread, the main one: on CPU torch's threads serve it only
+            manager.run_until_idle()
+            printer.join()
+            if failed:
+                raise failed[0]
+            outputs = [s.output for s in streams]
         finally:
             manager.close()
         err.print(f"[dim]{engine.model_name} on {engine.device.type}: {summary(outputs, t_start)}[/dim]",
                   highlight=False)
     finally:
         engine.close()
+
+
+def _print(streams, prompts: list[str], out, failed: list) -> None:
+    """One prompt: its text as it streams; several: each one's block once it ends (in order)."""
+    try:
+        if len(streams) == 1:
+            for piece in streams[0]:
+                out.write(piece)
+                out.flush()
+            out.write("\n")
+        else:
+            for i, stream in enumerate(streams):
+                text = "".join(stream)
+                out.write(f"=== [{i}] {prompts[i]}\n{text}\n")
+        out.flush()
+    except BaseException as e:  # handed to the main thread
+        failed.append(e)
 
 
 def summary(outputs, t_start: float) -> str:

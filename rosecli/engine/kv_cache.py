@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -14,8 +15,15 @@ def allocate_kv_cache(model, num_blocks: int, block_size: int, dtype: torch.dtyp
                       device: torch.device) -> torch.Tensor:
     """``[layers, 2, num_blocks, kv_heads, block_size, head_dim]`` (see `rosecli.kernels`); layer i's attention
     gets [i, 0] and [i, 1]."""
-    pool = torch.zeros(model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, model.head_dim,
-                       dtype=dtype, device=device)
+    shape = (model.num_layers, 2, num_blocks, model.num_kv_heads, block_size, model.head_dim)
+    if torch.device(device).type == "cpu":
+        # calloc'd zeros (numpy): the kernel hands out zeroed pages as they are first written, so
+        # start-up does not touch the whole pool (~0.1 s for SmolLM2's 8192 tokens) and memory
+        # grows with use; all-zero bytes are 0.0 in every float dtype
+        nbytes = kv_bytes_per_block(model, block_size, dtype) * num_blocks
+        pool = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    else:
+        pool = torch.zeros(shape, dtype=dtype, device=device)
     for i, attn in enumerate(model.attention_layers()):
         attn.k_cache = pool[i, 0]
         attn.v_cache = pool[i, 1]

@@ -100,15 +100,15 @@ class LLMEngine:
 
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         manager = StreamingManager(self, start=False)
-        room = self.config.max_inflight_requests or len(prompts)
-        try:
-            ids = []
-            for i, (p, sp) in enumerate(zip(prompts, plist)):
-                if i == room:  # the rest waits for room: the worker must run
-                    manager.start()
-                ids.append(manager.add_request(p, sp))
-            manager.start()
-            return [manager.result(rid) for rid in ids]
+        room = self.config.max_inflight_requests or len(prompts) or 1
+        outputs: list = []
+        try:  # the engine steps on this thread (see StreamingManager.run_until_idle); `room` at a time
+            for start in range(0, len(prompts), room):
+                ids = [manager.add_request(p, sp) for p, sp in zip(prompts[start:start + room],
+                                                                    plist[start:start + room])]
+                manager.run_until_idle()
+                outputs.extend(manager.result(rid) for rid in ids)
+            return outputs
         finally:
             manager.close()
 

@@ -201,7 +201,3 @@ class SamplingParams:
                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, 0, MAX_INT32)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1

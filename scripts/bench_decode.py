@@ -46,8 +46,7 @@ def run_ours(sched, batch, new_tokens, repeats=3):
     results = []
     for _ in range(repeats + 1):  # first is a warm-up
         prompts = [[10 + i, 11, 12, 13] for i in range(batch)]
-        for p in prompts:
-            sched.add_request(p, params)
+        ids = [sched.add_request(p, params) for p in prompts]
         steps = []
         t0 = time.perf_counter()
         while sched.has_unfinished():
@@ -57,7 +56,8 @@ def run_ours(sched, batch, new_tokens, repeats=3):
                 steps.append(time.perf_counter() - s)
         total = time.perf_counter() - t0
         sched.pop_finished_ids()
-        sched.seqs.clear()
+        for rid in ids:
+            sched.pop_request(rid)
         results.append((statistics.median(steps), total))
     step = statistics.median(r[0] for r in results[1:])
     total = statistics.median(r[1] for r in results[1:])

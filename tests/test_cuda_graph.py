@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from rosecli.engine.config import EngineConfig, SamplingParams
-from rosecli.engine.models import model_class
 from rosecli.engine.runner import ModelRunner, graph_batch_sizes
 from rosecli.engine.scheduler import Scheduler
 
@@ -39,7 +38,7 @@ def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
     # eager and synchronous, graphs and synchronous, graphs with overlap scheduling
     for graphs, overlap in ((False, False), (True, False), (True, True)):
         sched = _scheduler(kind, graphs, overlap=overlap)
-        ids, done, step = [], 0, 0
+        ids, step = [], 0
         while len(ids) < len(prompts) or sched.has_unfinished():
             if len(ids) < len(prompts) and step % 3 == 0:  # staggered arrivals
                 for _ in range(1 + step % 4):
@@ -49,7 +48,7 @@ def test_graph_replay_matches_eager_as_sequences_join_and_leave(kind):
                                                                                 stop_on_eos=False)))
             sched.step()
             step += 1
-        outs[graphs, overlap] = [sched.seqs[i].output_token_ids for i in ids]
+        outs[graphs, overlap] = [sched.get(i).output_token_ids for i in ids]
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         sched.runner.close()
     assert outs[True, False] == outs[False, False]

@@ -206,6 +206,8 @@ def smollm2(cache_dir):
 
 @pytest.mark.slow
 def test_converted_smollm2_matches_transformers_gguf_loader(smollm2, smollm2_transformers_gguf):
+    """Our GGUF conversion + forward against transformers' own GGUF loading of the same file (the
+    one comparison of the two; every other default-model test builds on it)."""
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, tokenize=True)

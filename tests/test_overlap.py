@@ -30,7 +30,7 @@ def _run(hf, prompts, params, arrivals=None, **kw):
                 ids[i] = sched.add_request(prompts[i], params[i])
         sched.step()
         step += 1
-    seqs = [sched.seqs[i] for i in ids]
+    seqs = [sched.get(i) for i in ids]
     return [s.output_token_ids for s in seqs], [s.finish_reason.value for s in seqs], sched
 
 
@@ -93,7 +93,7 @@ def test_step_returns_last_launched_tokens_and_discard_mid_flight_frees_blocks(h
     sched.discard_request(drop)  # while step 2 is in flight
     while sched.has_unfinished():
         assert drop not in sched.step()
-    seq = sched.seqs[keep]
+    seq = sched.get(keep)
     assert seq.output_token_ids == hf_greedy(hf, seq.token_ids[:seq.num_prompt_tokens], 40)
     assert sched.block_manager.num_used_blocks == 0
 
@@ -104,6 +104,6 @@ def test_a_step_in_flight_with_only_finished_requests_is_not_waited_for(hf):
     ref = hf_greedy(hf, prompt, 8)
     sched.run_to_completion([prompt], SamplingParams(max_new_tokens=8, stop_on_eos=False, stop_token_ids=[ref[3]]))
     # it stopped at its 4th token while its 5th step was in flight: that step is dropped, not read later
-    assert sched._inflight is None
+    assert sched.step() == {} and sched.last_step_kind == "idle"
     rid = sched.add_request(prompt, SamplingParams(max_new_tokens=3, stop_on_eos=False))
     assert rid in sched.step(), "the next request's first step is its prefill"

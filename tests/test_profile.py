@@ -1,8 +1,12 @@
-"""`rose profile`: the stage table on CPU, the torch trace, and free-when-off ranges."""
+"""`rose profile`: the stage table on CPU, the torch trace, and free-when-off ranges;
+`rose profile --decode-step`: refused in one line without CUDA, replay time and kernels on a GPU."""
 
 import json
 import os
+import re
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from rosecli.commands.main import app
@@ -50,3 +54,49 @@ def test_disabled_ranges_never_call_nvtx(monkeypatch):
     with on.range("decode_forward", 64):
         pass
     assert calls == [("decode_forward n=64",), ()]
+
+
+def _decode_step(cache_dir, *args):
+    return runner.invoke(app, ["profile", "--model", "tiny-llama", "--load-format", "dummy", "--cache-dir", cache_dir,
+                               *args], terminal_width=200)
+
+
+def _error_line(r):
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output  # refused before loading anything
+    return lines[0]
+
+
+def test_decode_step_without_cuda_is_one_line(cache_dir, monkeypatch):
+    line = _error_line(_decode_step(cache_dir, "--decode-step", "--device", "cpu"))
+    assert "--decode-step" in line and "CUDA GPU" in line and "--device cpu" in line
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = _error_line(_decode_step(cache_dir, "--decode-step"))
+    assert "--decode-step" in line and "no CUDA GPU" in line
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--decode-step", "--decode-batch-sizes", "0"], "0 is outside 1..--max-batch-size (64)"),
+    (["--decode-step", "--decode-batch-sizes", "8", "--max-batch-size", "4"], "8 is outside 1..--max-batch-size (4)"),
+    (["--decode-step", "--decode-batch-sizes", "1,x"], "comma-separated whole numbers"),
+    (["--decode-batch-sizes", "4"], "only with --decode-step"),
+])
+def test_decode_batch_sizes_are_checked(cache_dir, args, needle):
+    assert needle in _error_line(_decode_step(cache_dir, "--device", "cpu", *args))
+
+
+@pytest.mark.gpu
+def test_decode_step_prints_replay_time_and_kernels_per_batch_size(cache_dir):
+    cache_dir = os.environ.get("ROSE_CACHE_DIR", cache_dir)  # a GPU host may have no tokenizer package, only a cache
+    r = _decode_step(cache_dir, "--decode-step", "--decode-batch-sizes", "1,3", "--max-batch-size", "4",
+                     "--input-len", "40")
+    assert r.exit_code == 0, r.output
+    assert "40 tokens of context" in r.output
+    for batch in (1, 3):  # 3 replays the graph captured for 4
+        m = re.search(rf"B={batch}: graph replay ([0-9.]+) us/step .* eager step: (\d+) kernels, ([0-9.]+) us",
+                      r.output)
+        assert m, r.output
+        assert float(m[1]) > 0 and int(m[2]) > 0 and float(m[3]) > 0
+    kernel_lines = [line for line in r.output.splitlines() if re.match(r"\s+\d+ x\s+[0-9.]+ us  \S", line)]
+    assert len(kernel_lines) >= 2, r.output

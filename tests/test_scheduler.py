@@ -50,8 +50,8 @@ def test_requests_join_and_leave_every_step(hf, overlap):
         finished += sched.pop_finished_ids()
         step += 1
     assert sorted(finished) == sorted(ids)
-    assert [sched.seqs[i].output_token_ids for i in ids] == refs
-    assert all(sched.seqs[i].finish_reason.value == "length" for i in ids)
+    assert [sched.get(i).output_token_ids for i in ids] == refs
+    assert all(sched.get(i).finish_reason.value == "length" for i in ids)
 
 
 def test_chunked_prefill_interleaves_decode(hf, overlap):
@@ -164,16 +164,14 @@ def test_prompt_that_can_never_fit_the_pool_is_refused(hf, overlap):
 
 def _run_bounded(sched, prompts, params, max_steps=200):
     """run_to_completion, but a scheduler that loops fails the test instead of hanging it."""
-    seqs = [sched.seqs[sched.add_request(p, params)] for p in prompts]
+    seqs = [sched.get(sched.add_request(p, params)) for p in prompts]
     for _ in range(max_steps):
         if not sched.has_unfinished():
             break
         sched.step()
     assert not sched.has_unfinished(), f"still unfinished after {max_steps} steps: {seqs}"
     sched.pop_finished_ids()
-    for s in seqs:
-        sched.seqs.pop(s.request_id)
-    return seqs
+    return [sched.pop_request(s.request_id) for s in seqs]
 
 
 def test_outgrowing_the_whole_pool_finishes_with_length(hf, overlap):
@@ -190,3 +188,15 @@ def test_outgrowing_the_whole_pool_finishes_with_length(hf, overlap):
     assert [s.output_token_ids for s in seqs] == [hf_greedy(hf, p, 12 - len(p)) for p in prompts]
     assert all(s.finish_reason.value == "length" for s in seqs)
     assert sched.block_manager.num_free_blocks == 3
+
+
+def test_slot_mapping_of_a_range_equals_the_slots_of_each_position():
+    from rosecli.engine.block_manager import slot_of, slots_of
+
+    table = [7, 2, 9, 4]
+    for bs in (1, 3, 4):
+        for start in range(0, len(table) * bs):
+            for end in range(start, len(table) * bs + 1):
+                expect = [table[p // bs] * bs + p % bs for p in range(start, end)]
+                assert slots_of(table, start, end, bs) == expect
+                assert [slot_of(table, p, bs) for p in range(start, end)] == expect

@@ -186,7 +186,7 @@ def run_sched(scheduler, workload: Workload, params: SamplingParams, mode: str,
     timings = []
     completion = prompt_tokens = 0
     for rid in ids:
-        seq = scheduler.seqs.pop(rid)
+        seq = scheduler.pop_request(rid)
         completion += seq.num_output_tokens
         prompt_tokens += seq.num_prompt_tokens
         if online:

@@ -49,7 +49,7 @@ the measured runs: the p50 and the mean of each per-run figure, as the posts pri
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
@@ -105,10 +105,6 @@ class Dist:
         return cls(*(percentile(vals, q) for q in PERCENTILES), float(np.mean(vals)) if vals else float("nan"),
                    len(vals))
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "Dist":
-        return cls(**{k: (float("nan") if d.get(k) is None else d[k]) for k in ("p50", "p95", "p99", "mean")},
-                   count=int(d.get("count") or 0))
 
 
 STREAM_FIGURES = ("submit_lag", "add_request", "tokenize", "queue_wait", "prefill_first_token", "ttft", "tpot",
@@ -142,19 +138,6 @@ class RunMetrics:
     def tpot_left_out(self) -> int:
         """Requests without a TPOT (one output token, or no finish)."""
         return self.requests - self.dists["tpot"].count
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["dists"] = {k: asdict(v) for k, v in self.dists.items()}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunMetrics":
-        d = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
-        d["dists"] = {k: Dist.from_dict(v) for k, v in d["dists"].items()}
-        if d.get("mean_chunk_tokens") is None:
-            d["mean_chunk_tokens"] = float("nan")
-        return cls(**d)
 
 
 def _diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -217,15 +200,20 @@ def flatten(r: RunMetrics) -> dict[str, float]:
 
 
 def median_run(runs: Sequence[RunMetrics]) -> dict[str, float]:
-    """Summary over measured stream runs: the median of each flat figure (see `flatten`);
-    runs where a figure is absent (NaN) do not count for it."""
-    flat: dict[str, list[float]] = {}
-    for r in runs:
-        for k, v in flatten(r).items():
-            flat.setdefault(k, [])
-            if not math.isnan(v):
-                flat[k].append(v)
-    return {k: percentile(v, 50) for k, v in flat.items()}
+    """Summary over measured stream runs: the median of each flat figure (see `flatten`)."""
+    return median_figures([flatten(r) for r in runs])
+
+
+def median_figures(runs: Sequence[dict]) -> dict[str, float]:
+    """The median of each figure over runs given as flat figure dicts (a result file's
+    ``figures``); runs where a figure is absent (NaN or null) do not count for it."""
+    vals: dict[str, list[float]] = {}
+    for figures in runs:
+        for k, v in figures.items():
+            vals.setdefault(k, [])
+            if isinstance(v, (int, float)) and not math.isnan(v):
+                vals[k].append(v)
+    return {k: percentile(v, 50) for k, v in vals.items()}
 
 
 @dataclass

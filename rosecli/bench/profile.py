@@ -1,12 +1,18 @@
 """`rose profile`: run a short streaming workload after start-up and warm-up, and measure
 where each step's host time goes. The measured window is bracketed by cudaProfilerStart/Stop
 (``nsys --capture-range=cudaProfilerApi`` records just it) and optionally traced with the torch
-profiler, whose ranges carry the same stage names as the NVTX ranges."""
+profiler, whose ranges carry the same stage names as the NVTX ranges.
+
+`rose profile --decode-step` (`profile_decode_step`) looks at the device instead: for each batch
+size, the device time of one decode step (CUDA events around back-to-back replays of the step's
+CUDA graph, so no host work is counted) and the kernels of one eager step (torch profiler: count
+and device time by kernel name)."""
 
 from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -15,6 +21,7 @@ import torch
 from rosecli.bench.drivers import StreamRun, run_stream
 from rosecli.bench.workload import WorkloadSpec, build_workload
 from rosecli.engine.config import SamplingParams
+from rosecli.engine.errors import ConfigError
 from rosecli.engine.stages import stage_table
 from rosecli.engine.streaming import StreamingManager
 
@@ -68,3 +75,96 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
         return ProfileResult(stage_table(stages.samples), run, window, trace_path)
     finally:
         manager.close()
+
+
+DECODE_STEP_REPLAYS = 200  # back-to-back runs of the step whose device time is averaged
+DEFAULT_DECODE_CONTEXT = 128
+
+
+@dataclass
+class DecodeStepProfile:
+    batch: int
+    context_len: int  # tokens in each sequence's KV cache
+    graph: bool  # the step replayed its CUDA graph (False: no graph for this size, run eagerly)
+    step_us: float  # device time of one step
+    kernels: list[tuple[str, int, float]]  # one eager step: (kernel name, launches, device us), most time first
+
+    @property
+    def kernel_launches(self) -> int:
+        return sum(n for _, n, _ in self.kernels)
+
+    @property
+    def kernel_us(self) -> float:
+        return sum(us for _, _, us in self.kernels)
+
+
+def decode_batch_sizes(text: Optional[str], max_batch_size: int) -> list[int]:
+    """``--decode-batch-sizes`` (comma-separated; None: 1 and ``max_batch_size``), checked."""
+    if text is None:
+        return sorted({1, max_batch_size})
+    sizes = []
+    for part in text.split(","):
+        try:
+            size = int(part)
+        except ValueError:
+            raise ConfigError(f"--decode-batch-sizes takes comma-separated whole numbers, e.g. 1,16,64; got "
+                              f"{text!r}") from None
+        if not 1 <= size <= max_batch_size:
+            raise ConfigError(f"--decode-batch-sizes: {size} is outside 1..--max-batch-size ({max_batch_size}): "
+                              "raise --max-batch-size or pick smaller batches")
+        sizes.append(size)
+    return sizes
+
+
+def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAULT_DECODE_CONTEXT,
+                        replays: int = DECODE_STEP_REPLAYS) -> list[DecodeStepProfile]:
+    """For each batch size: admit that many requests of ``context_len`` tokens, step until the
+    last step launched decodes all of them, then time and profile that step again (its inputs
+    stay staged) and discard the requests. Needs CUDA."""
+    if engine.device.type != "cuda":
+        raise ConfigError("--decode-step times CUDA graph replays and CUDA kernels: it needs a CUDA GPU")
+    sched, runner = engine.scheduler, engine.runner
+    vocab = engine.loaded.model.vocab_size
+    limit = min(sched.max_active, engine.config.max_batch_size)
+    if max(batch_sizes) > limit:
+        raise ConfigError(f"--decode-batch-sizes: {max(batch_sizes)} is more than the engine decodes at once "
+                          f"({limit}, --max-batch-size / --max-active-requests)")
+    params = SamplingParams(max_new_tokens=engine.max_model_len, stop_on_eos=False)  # greedy: see rerun_decode
+    out = []
+    for batch in batch_sizes:
+        # distinct prompts, so no request reads another's KV blocks from the prefix cache
+        ids = [sched.add_request([(1 + i + 7 * j) % vocab for j in range(context_len)], params)
+               for i in range(batch)]
+        while sched.waiting or sched.prefilling or sched.last_step_kind != "decode":
+            sched.step()
+        sched.step()  # a decode step of all of them, launched after the last prefill
+        max_context = max(len(sched.get(rid).token_ids) for rid in ids)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(engine.device)
+        start.record()
+        for _ in range(replays):
+            graph = runner.rerun_decode(batch, max_context)
+        end.record()
+        torch.cuda.synchronize(engine.device)
+        step_us = start.elapsed_time(end) * 1e3 / replays
+        from torch.profiler import ProfilerActivity, profile
+
+        kernels: dict[str, list] = {}
+        with warnings.catch_warnings():  # torch warns that a profile without a schedule is one cycle: it is
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                runner.rerun_decode(batch, max_context, eager=True)
+                torch.cuda.synchronize(engine.device)
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    k = kernels.setdefault(ev.name, [0, 0.0])
+                    k[0] += 1
+                    k[1] += ev.device_time
+        rows = sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
+        out.append(DecodeStepProfile(batch, context_len, graph, step_us, rows))
+        for rid in ids:
+            sched.discard_request(rid)
+        while sched.has_unfinished():
+            sched.step()
+        sched.pop_finished_ids()
+    return out

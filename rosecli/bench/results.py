@@ -40,8 +40,6 @@ API:
     load_result(path) -> doc            # raises ConfigError on unreadable file / unknown schema
     run_record(label, warmup, metrics, errors=None) -> dict      # one entry of "runs"
     request_records(timings, t0) -> list[dict]                    # one entry of "requests"
-    summary_of(runs) -> dict                                      # median over measured runs
-    measured_runs(doc) -> list[dict]
     environment() -> dict
 """
 
@@ -58,7 +56,7 @@ import subprocess
 import sys
 from typing import Optional, Sequence, Union
 
-from rosecli.bench.metrics import RequestTiming, RunMetrics, SchedRunMetrics, flatten, percentile, sched_figures
+from rosecli.bench.metrics import RequestTiming, RunMetrics, SchedRunMetrics, flatten, median_figures, sched_figures
 from rosecli.engine.errors import ConfigError
 
 SCHEMA = "rosecli.bench/1"
@@ -131,23 +129,6 @@ def request_records(timings: Sequence[RequestTiming], t0: float) -> list[dict]:
     return out
 
 
-def measured_runs(doc: dict) -> list[dict]:
-    return [r for r in doc["runs"] if not r.get("warmup")]
-
-
-def summary_of(runs: Sequence[dict]) -> dict[str, float]:
-    """The median over measured runs (entries of ``runs`` with warmup false) of each figure."""
-    vals: dict[str, list[float]] = {}
-    for r in runs:
-        if r.get("warmup"):
-            continue
-        for k, v in r["figures"].items():
-            vals.setdefault(k, [])
-            if isinstance(v, (int, float)) and not math.isnan(v):
-                vals[k].append(v)
-    return {k: percentile(v, 50) for k, v in vals.items()}
-
-
 def _finite(obj):
     """NaN/inf -> None, so the file is strict JSON."""
     if isinstance(obj, float):
@@ -162,14 +143,16 @@ def _finite(obj):
 def build_result(kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,
                  requests: Optional[list] = None, command: Optional[str] = None,
                  env: Optional[dict] = None) -> dict:
-    """The result document (see the module docstring). ``summary`` defaults to `summary_of(runs)`;
+    """The result document (see the module docstring). ``summary`` defaults to the median of each
+    figure over the measured runs (`metrics.median_figures`);
     ``command`` to this process's command line; ``env`` to `environment()`."""
     if kind not in KINDS:
         raise ConfigError(f"result kind must be one of {', '.join(KINDS)}, got {kind!r}")
     return _finite({
         "schema": SCHEMA, "kind": kind, "command": command or " ".join(["rose", *sys.argv[1:]]),
         "config": config, "environment": env if env is not None else environment(), "startup": startup,
-        "runs": runs, "summary": summary if summary is not None else summary_of(runs), "requests": requests or []})
+        "runs": runs, "summary": summary if summary is not None else
+        median_figures([r["figures"] for r in runs if not r.get("warmup")]), "requests": requests or []})
 
 
 def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,

@@ -1,4 +1,5 @@
-"""`rose profile`: where every step's time goes (NVTX for Nsight Systems, torch trace, host table)."""
+"""`rose profile`: where every step's time goes (NVTX for Nsight Systems, torch trace, host table);
+with --decode-step, where a decode step's device time goes (graph replay time, kernels)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ def profile(
     torch_trace: Annotated[Optional[str], typer.Option("--torch-trace", help="Also record the measured window "
                                                        "with the torch profiler into this directory (Chrome/"
                                                        "Perfetto JSON).")] = None,
+    decode_step: Annotated[bool, typer.Option("--decode-step", help="Instead of the workload: the device time of "
+                                              "one decode step (CUDA graph replays) and the kernels of one eager "
+                                              "step, for each of --decode-batch-sizes, every sequence holding "
+                                              "--input-len tokens (default 128). Needs a CUDA GPU.")] = False,
+    decode_batch_sizes: Annotated[Optional[str], typer.Option("--decode-batch-sizes", help="Comma-separated batch "
+                                                              "sizes for --decode-step (default: 1 and "
+                                                              "--max-batch-size).")] = None,
     *, config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, warmup_runs: int,
 ) -> None:
     """Run a short workload after start-up and warm-up; print host time per engine stage.
@@ -36,6 +44,8 @@ def profile(
     from rosecli.bench.profile import run_profile
     from rosecli.engine.llm import LLMEngine
 
+    if decode_step or decode_batch_sizes is not None:
+        return _decode_step(decode_step, decode_batch_sizes, spec.input_len, config)
     o.check_runs(warmup_runs, 1)
     if torch_trace is not None:
         if not torch_trace.strip():
@@ -63,3 +73,37 @@ def profile(
     console.print(table)
     if result.trace_path:
         console.print(f"torch trace: {result.trace_path}")
+
+
+def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optional[int], config) -> None:
+    import torch
+
+    from rosecli.bench.profile import DEFAULT_DECODE_CONTEXT, decode_batch_sizes, profile_decode_step
+    from rosecli.engine.errors import ConfigError
+    from rosecli.engine.llm import LLMEngine
+
+    if not decode_step:
+        raise ConfigError("--decode-batch-sizes applies only with --decode-step")
+    sizes = decode_batch_sizes(batch_sizes, config.max_batch_size)
+    if config.device == "cpu" or not torch.cuda.is_available():
+        where = "--device cpu" if config.device == "cpu" else "this machine has no CUDA GPU"
+        raise ConfigError(f"--decode-step times CUDA graph replays and CUDA kernels and needs a CUDA GPU ({where}): "
+                          "leave out --decode-step (rose profile without it prints host time per stage)")
+    context = input_len if input_len is not None else DEFAULT_DECODE_CONTEXT
+    console = Console()
+    with startup_progress(Console(stderr=True)) as progress:
+        engine = LLMEngine(config, progress=progress)
+    try:
+        rows = profile_decode_step(engine, sizes, context)
+    finally:
+        engine.close()
+    console.print(f"{torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}, model "
+                  f"{engine.model_name}, {engine.dtype}, {context} tokens of context per sequence", highlight=False,
+                  soft_wrap=True)
+    for r in rows:
+        how = "graph replay" if r.graph else "eager step (no CUDA graph)"
+        console.print(f"B={r.batch}: {how} {r.step_us:.1f} us/step ({r.batch / r.step_us * 1e6:,.0f} tok/s "
+                      f"device-bound); eager step: {r.kernel_launches} kernels, {r.kernel_us:.1f} us of kernel time",
+                      highlight=False, soft_wrap=True)
+        for name, n, us in r.kernels[:14]:
+            console.print(f"   {n:4d} x {us / n:7.2f} us  {name[:90]}", highlight=False, markup=False, soft_wrap=True)

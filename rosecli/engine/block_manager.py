@@ -6,15 +6,37 @@ Blocks whose reference count drops to zero keep their contents and hash in an LR
 are reused by a later request with the same prefix, or evicted (oldest first) when the free
 list is empty. Running out of blocks is reported by ``can_allocate`` / ``can_append`` returning
 False; the scheduler decides what to do (wait or preempt). Nothing here raises for it.
+
+Block arithmetic lives here too: where a token's KV goes (`slot_of`, `slots_of`) and when a
+sequence needs a new block or has just filled one (`BlockManager.needs_block`, `fills_block`).
+A sequence's block table is replaced, never changed in place: the model runner keeps the rows
+it staged by the table they came from and rewrites a row only when that table is another one.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict, deque
 from typing import Optional
 
 from rosecli.engine.sequence import Sequence
+
+
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The KV cache slot of the token at ``position`` in a sequence with this block table."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The slots of the tokens at positions ``start .. end - 1``: one range per block."""
+    out: list[int] = []
+    p = start
+    while p < end:
+        block, offset = divmod(p, block_size)
+        n = min(block_size - offset, end - p)
+        first = block_table[block] * block_size + offset
+        out.extend(range(first, first + n))
+        p += n
+    return out
 
 
 def _chain_hash(parent: Optional[int], tokens: list[int]) -> int:
@@ -35,7 +57,6 @@ class BlockManager:
         # prefix-cache statistics, in prompt tokens
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        self._versions = itertools.count(1)
 
     # --- capacity -------------------------------------------------------------------------
     @property
@@ -52,6 +73,14 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s newest token has no slot yet (it starts a block)."""
+        return len(seq.block_table) * self.block_size < len(seq.token_ids)
+
+    def fills_block(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s computed tokens end at a block boundary (a step just filled a block)."""
+        return seq.num_computed_tokens % self.block_size == 0
 
     # --- allocation -----------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:
@@ -83,14 +112,13 @@ class BlockManager:
         """Give ``seq`` a block table covering all its tokens, reusing cached prefix blocks."""
         assert not seq.block_table, "sequence already holds blocks"
         hits = self._cached_prefix(seq)
-        parent = None
-        for i, block in enumerate(hits):
+        table = []
+        for block in hits:
             if self.ref_counts[block] == 0:
                 self.evictable.pop(block, None)
             self.ref_counts[block] += 1
-            seq.block_table.append(block)
-            parent = self.block_hash[block]
-            seq.block_hashes.append(parent)
+            table.append(block)
+            seq.block_hashes.append(self.block_hash[block])
         seq.num_hashed_blocks = len(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
@@ -98,8 +126,8 @@ class BlockManager:
             self.prefix_queried_tokens += len(seq.token_ids)
             self.prefix_hit_tokens += seq.num_cached_tokens
         for _ in range(self.blocks_needed(len(seq.token_ids)) - len(hits)):
-            seq.block_table.append(self._take_block())
-        seq.table_version = next(self._versions)
+            table.append(self._take_block())
+        seq.block_table = table
 
     def _evict_oldest(self) -> int:
         """Take the least recently freed cached block out of the prefix cache."""
@@ -125,9 +153,10 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence) -> None:
         """Make sure every token of ``seq`` has a slot (called before a decode step)."""
-        while len(seq.block_table) < self.blocks_needed(len(seq.token_ids)):
-            seq.block_table.append(self._take_block())
-        seq.table_version = next(self._versions)
+        table = list(seq.block_table)
+        while len(table) < self.blocks_needed(len(seq.token_ids)):
+            table.append(self._take_block())
+        seq.block_table = table
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the hashes of blocks whose KV is now fully computed, for later requests."""
@@ -158,7 +187,6 @@ class BlockManager:
                     self.block_tokens[block] = None
                     self.free_ids.append(block)
         seq.block_table = []
-        seq.table_version = next(self._versions)
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0

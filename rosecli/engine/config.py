@@ -281,6 +281,3 @@ class SamplingParams:
                    f"got {bias!r}")
         self.logit_bias = {t: float(bias) for t, bias in self.logit_bias.items()}
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1

@@ -10,6 +10,9 @@ scheduler can prepare and launch step N+1 while the GPU still runs step N. A seq
 token is still `PENDING` (sampled by the step in flight) takes its input id on the device from
 that step's output row; the staging areas and the sampled-id buffers are double-buffered so the
 host never rewrites memory a copy still in flight reads.
+
+What the runner keeps per request lives here, keyed by request id (its seeded generator, its row
+in the last decode launch); the scheduler's `Sequence` holds token and block state only.
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ import numpy as np
 import torch
 
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
+from rosecli.engine.block_manager import slot_of, slots_of
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from rosecli.engine.sampler import sample
 from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
+from rosecli.engine.step_plan import StepPlan
 
 CPU_DEFAULT_KV_TOKENS = 8192
 
@@ -59,7 +64,7 @@ class _Staging:
     """
 
     __slots__ = ("buf", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables",
-                 "row_version")
+                 "row_tables", "row_views")
 
     def __init__(self, buf: torch.Tensor, mb: int, nb: int):
         self.buf = buf
@@ -69,13 +74,17 @@ class _Staging:
         self.host_ids = i64[mb:2 * mb]
         self.positions, self.slots = i64[3 * mb:4 * mb], i64[4 * mb:5 * mb]
         self.context_lens, self.block_tables = i32[:mb], i32[mb:].view(mb, nb)
-        self.row_version = [-1] * mb  # table_version of the block table each row holds
+        self.row_tables: list = [None] * mb  # the block table (list object) each row was written from
 
     def numpy(self) -> "_Staging":
         view = object.__new__(_Staging)
         for name in ("tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables"):
             setattr(view, name, getattr(self, name).numpy())
-        view.buf, view.row_version = self.buf, self.row_version
+        view.buf, view.row_tables = self.buf, self.row_tables
+        # memoryviews of the per-row fields: storing a Python int through one costs less than a
+        # numpy item store, and a launch stores five per row
+        view.row_views = tuple(memoryview(getattr(view, name))
+                               for name in ("src", "host_ids", "positions", "slots", "context_lens"))
         return view
 
     INT64_FIELDS = 5  # sampled, host ids, src, positions, slots
@@ -122,7 +131,7 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self.num_blocks = self._decide_num_blocks()
-        self.kv_pool = allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
+        allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
@@ -198,8 +207,10 @@ class ModelRunner:
             self._np_staging[1] = self._np_staging[0]
             self._events = [None, None]
         self._flip = 0  # which staging area / sampled buffer the next launch uses
-        self._launches = 0  # decode launches so far (a PENDING input must come from the last one)
-        self._decode_meta: dict[int, AttentionMetadata] = {}
+        # request id -> its row in the last decode launch (a PENDING input is read from there), and
+        # the dict the next launch fills (the two alternate: nothing is allocated per step)
+        self._launch_rows: dict[int, int] = {}
+        self._next_launch_rows: dict[int, int] = {}
 
     def _meta_for(self, batch: int, max_context_len: int) -> AttentionMetadata:
         d = self.dev_staging
@@ -240,9 +251,9 @@ class ModelRunner:
                 s.block_table = list(range(next_block, next_block + nb))
                 next_block += nb
                 seqs.append(s)
-            self.execute(seqs, [len(s) for s in seqs], is_prefill=True)
+            self.execute(StepPlan.prefill(seqs, [len(s) for s in seqs]))
             if not self.use_graphs:
-                self.execute(seqs, [1] * len(seqs), is_prefill=False)
+                self.execute(StepPlan.decode(seqs))
 
     def _capture_graphs(self, progress) -> None:
         pool = None
@@ -254,7 +265,6 @@ class ModelRunner:
         self._copy_decode_inputs(self._host_staging[0], n)
         for done, batch in enumerate(sizes):
             meta = self._meta_for(batch, self.max_model_len)
-            self._decode_meta[batch] = meta
             with torch.inference_mode():
                 self._decode_forward(batch, meta)  # warm up this shape outside the graph
                 torch.cuda.synchronize(self.device)
@@ -308,20 +318,21 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int], is_prefill: bool) -> list[Optional[int]]:
-        """Compute ``num_new_tokens[i]`` tokens of each sequence (all 1 for decode) and return the
-        token sampled for every sequence whose computation reached its end (None otherwise)."""
-        if is_prefill:
-            return self._execute_prefill(seqs, num_new_tokens)
-        return self.collect(self.launch_decode(seqs))
+    def execute(self, plan: StepPlan) -> list[Optional[int]]:
+        """Run a step and return the token sampled for every sequence whose computation reached
+        its end (None for a chunk of a longer prompt)."""
+        if plan.is_prefill:
+            return self._execute_prefill(plan)
+        return self.collect(self.launch_decode(plan))
 
     @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence]) -> DecodeLaunch:
-        """Launch one decode step (one new token for each sequence) without waiting for it.
+    def launch_decode(self, plan: StepPlan) -> DecodeLaunch:
+        """Launch a decode step without waiting for it.
 
         A sequence whose last token is `PENDING` must have been in the previous launch; its input
         id is that launch's sample, read on the device."""
         stages = self.stages
+        seqs = plan.seqs
         batch = len(seqs)
         if batch > self.max_batch_size:
             raise ValueError(f"decode batch {batch} exceeds max_batch_size {self.max_batch_size}")
@@ -331,38 +342,42 @@ class ModelRunner:
         host = self._host_staging[flip]
         bs = self.block_size
         mb = self.max_batch_size
-        last = self._launches
-        self._launches = launch_no = last + 1
+        last_rows, launch_rows = self._launch_rows, self._next_launch_rows
+        launch_rows.clear()
+        slot = slot_of
         with stages.range("prepare_inputs", batch):
             st = self._np_staging[flip]
-            src, ids, pos, slots = st.src, st.host_ids, st.positions, st.slots
-            ctx, bt = st.context_lens, st.block_tables
+            src, ids, pos, slots, ctx = st.row_views
+            bt = st.block_tables
             max_ctx = 1
-            row_version = st.row_version
+            row_tables = st.row_tables
             for i, s in enumerate(seqs):
                 tokens = s.token_ids
                 n = len(tokens)
                 p = n - 1
                 tok = tokens[p]
+                rid = s.request_id
                 if tok == PENDING:
-                    if s.launch_no != last:
-                        raise RuntimeError(f"request {s.request_id}: its pending token is not from the last step")
-                    src[i] = s.launch_row
+                    row = last_rows.get(rid)
+                    if row is None:
+                        raise RuntimeError(f"request {rid}: its pending token is not from the last step")
+                    src[i] = row
                 else:
                     src[i] = mb + i
                     ids[i] = tok
-                s.launch_no, s.launch_row = launch_no, i
+                launch_rows[rid] = i
                 table = s.block_table
                 pos[i] = p
-                slots[i] = table[p // bs] * bs + p % bs
+                slots[i] = slot(table, p, bs)
                 ctx[i] = n
-                if row_version[i] != s.table_version:  # rows are rewritten only when a table changed
+                if row_tables[i] is not table:  # a row is rewritten only when its table was replaced
                     bt[i, :len(table)] = table
-                    row_version[i] = s.table_version
+                    row_tables[i] = table
                 if n > max_ctx:
                     max_ctx = n
             if rows > batch:
                 self._pad_rows(st, batch, rows)
+        self._launch_rows, self._next_launch_rows = launch_rows, last_rows
         with stages.range("h2d_copy", rows):
             self._copy_decode_inputs(host, rows)
         with stages.range("decode_forward", rows):
@@ -384,6 +399,21 @@ class ModelRunner:
                 launch.event.synchronize()
             return launch.out[:len(launch.seqs)].tolist()
 
+    @torch.inference_mode()
+    def rerun_decode(self, batch: int, max_context_len: int, eager: bool = False) -> bool:
+        """Run the model forward of the last decode launch (``batch`` sequences, the longest of
+        ``max_context_len`` tokens) again on the inputs staged for it, without sampling or copying
+        anything back: to measure a decode step's device time and see its kernels (``rose profile
+        --decode-step``). Replays the launch's CUDA graph unless ``eager`` or none was captured;
+        returns whether it replayed one. The same inputs write the same KV and the same greedy ids,
+        so greedy requests go on unchanged; sampled ones must be discarded afterwards."""
+        graph = None if eager else self.graphs.get(self.padded_batch(batch))
+        if graph is not None:
+            graph.graph.replay()
+        else:
+            self._decode_forward(batch, self._meta_for(batch, max_context_len))
+        return graph is not None
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor]) -> torch.Tensor:
         if all(s.params.temperature == 0.0 or s.params.top_k == 1 for s in seqs):
             return greedy if greedy is not None else logits.argmax(dim=-1)
@@ -401,9 +431,10 @@ class ModelRunner:
         event.record()
         return self.np_sampled[flip], event
 
-    def _execute_prefill(self, seqs: list[Sequence], num_new_tokens: list[int]) -> list[Optional[int]]:
+    def _execute_prefill(self, plan: StepPlan) -> list[Optional[int]]:
         stages = self.stages
         bs = self.block_size
+        seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
         with stages.range("prepare_inputs", sum(num_new_tokens)):
             input_ids: list[int] = []
             positions: list[int] = []
@@ -419,8 +450,7 @@ class ModelRunner:
                 has_prefix |= start > 0
                 input_ids.extend(s.token_ids[start:end])
                 positions.extend(range(start, end))
-                table = s.block_table
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                slots += slots_of(s.block_table, start, end, bs)
                 cu.append(cu[-1] + n)
                 ctx_lens.append(end)
                 if end == len(s.token_ids):
@@ -473,9 +503,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self.graphs.clear()
-        self._decode_meta.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
-        self.kv_pool = None
         if self.is_cuda:
             torch.cuda.empty_cache()

@@ -43,6 +43,7 @@ from rosecli.engine.errors import RequestError
 from rosecli.engine.runner import DecodeLaunch, ModelRunner
 from rosecli.engine.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 from rosecli.engine.stages import Stages
+from rosecli.engine.step_plan import StepPlan
 
 
 class Scheduler:
@@ -98,10 +99,6 @@ class Scheduler:
         # a step in flight holding only finished sequences needs no reading: their tokens are dropped
         return bool(self.waiting or self.prefilling or self.running)
 
-    def is_finished(self, request_id: int) -> bool:
-        seq = self.seqs.get(request_id)
-        return seq is None or seq.is_finished
-
     def pop_finished_ids(self) -> list[int]:
         ids, self._finished_ids = self._finished_ids, []
         return ids
@@ -144,18 +141,18 @@ class Scheduler:
             can_prefill = bool(self.prefilling or self.waiting)
             if can_prefill and not (self._last_was_prefill and self.running):
                 with self.stages.range("prefill_admission"):
-                    batch, chunks = self._schedule_prefill()
-                if batch:
+                    plan = self._schedule_prefill()
+                if plan is not None:
                     self._last_was_prefill = True
                     self.last_step_kind = "prefill"
-                    return self._run(batch, chunks, is_prefill=True)
+                    return self._run_prefill(plan)
             self._last_was_prefill = False
-            batch = self._schedule_decode(allow_preempt=True)
-            if not batch:
+            plan = self._schedule_decode(allow_preempt=True)
+            if plan is None:
                 self.last_step_kind = "idle"
                 return {}
             self.last_step_kind = "decode"
-            launch = self._launch_decode(batch)
+            launch = self._launch_decode(plan)
             if self.overlap and not self._prefill_due():  # the next step can launch behind this one
                 self._inflight = launch
                 return {}
@@ -165,9 +162,9 @@ class Scheduler:
         """Launch the next decode step if nothing else is due, then read the one in flight."""
         inflight, self._inflight = self._inflight, None
         if not self._prefill_due():
-            batch = self._schedule_decode(allow_preempt=False)
-            if batch:
-                self._inflight = self._launch_decode(batch)
+            plan = self._schedule_decode(allow_preempt=False)
+            if plan is not None:
+                self._inflight = self._launch_decode(plan)
         self.last_step_kind = "decode"
         out = self._read_decode(inflight)
         if not self.running:  # the step just launched holds only finished sequences: nothing to read
@@ -185,7 +182,7 @@ class Scheduler:
         return (len(self.prefilling) + len(self.running) < self.max_active
                 and self.block_manager.can_allocate(seq))
 
-    def _schedule_prefill(self) -> tuple[list[Sequence], list[int]]:
+    def _schedule_prefill(self) -> Optional[StepPlan]:
         cfg = self.config
         budget = cfg.prefill_max_tokens
         batch: list[Sequence] = []
@@ -213,14 +210,14 @@ class Scheduler:
             batch.append(seq)
             chunks.append(n)
             budget -= n
-        return batch, chunks
+        return StepPlan.prefill(batch, chunks) if batch else None
 
-    def _schedule_decode(self, allow_preempt: bool) -> Optional[list[Sequence]]:
-        """The next decode batch, with a slot for each new token. Without ``allow_preempt``
-        (a step is in flight), returns None when a sequence would need a block none is free for."""
+    def _schedule_decode(self, allow_preempt: bool) -> Optional[StepPlan]:
+        """The next decode step, with a slot for each new token; None when nothing can decode or,
+        without ``allow_preempt`` (a step is in flight), a sequence would need a block none is free for."""
         running = self.running
         if not running:
-            return []
+            return None
         limit = self.config.max_batch_size
         if len(running) > limit:  # take turns
             start = self._rr % len(running)
@@ -229,13 +226,12 @@ class Scheduler:
         else:
             batch = list(running)
         bm = self.block_manager
-        bs = self.config.block_size
         scheduled: list[Sequence] = []
         for seq in batch:
             # a sequence whose pending token is its last (step in flight) needs no further step
             if seq.status is not SequenceStatus.RUNNING or self._length_reached(seq, len(seq.token_ids)):
                 continue
-            if len(seq.block_table) * bs < len(seq.token_ids):  # the new token starts a block
+            if bm.needs_block(seq):
                 if not allow_preempt and not bm.can_append(seq):
                     return None
                 while not bm.can_append(seq):
@@ -248,7 +244,8 @@ class Scheduler:
                     scheduled.append(seq)
             else:
                 scheduled.append(seq)
-        return [s for s in scheduled if s.status is SequenceStatus.RUNNING]
+        scheduled = [s for s in scheduled if s.status is SequenceStatus.RUNNING]
+        return StepPlan.decode(scheduled) if scheduled else None
 
     def _length_reached(self, seq: Sequence, length: int) -> bool:
         """A sequence of ``length`` tokens may have no more (max_new_tokens or the model's context)."""
@@ -265,33 +262,30 @@ class Scheduler:
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _run(self, batch: list[Sequence], chunks: list[int], is_prefill: bool) -> dict[int, int]:
-        sampled = self.runner.execute(batch, chunks, is_prefill)
+    def _run_prefill(self, plan: StepPlan) -> dict[int, int]:
+        sampled = self.runner.execute(plan)
         now = self.clock()
         out: dict[int, int] = {}
         bm = self.block_manager
-        bs = self.config.block_size
         cache = bm.enable_prefix_cache
-        for seq, n, token in zip(batch, chunks, sampled):
+        for seq, n, token in zip(plan.seqs, plan.num_new_tokens, sampled):
             seq.num_computed_tokens += n
-            if cache and (is_prefill or seq.num_computed_tokens % bs == 0):
+            if cache:
                 bm.commit_full_blocks(seq)
             if token is None:
                 continue  # a chunk of a longer prompt
-            if is_prefill:
-                self.prefilling.remove(seq)
-                self.running.append(seq)
+            self.prefilling.remove(seq)
+            self.running.append(seq)
             seq.token_ids.append(token)
             self._accept(seq, token, len(seq.token_ids), now, out)
         return out
 
-    def _launch_decode(self, batch: list[Sequence]) -> DecodeLaunch:
-        launch = self.runner.launch_decode(batch)
-        for seq in batch:
+    def _launch_decode(self, plan: StepPlan) -> DecodeLaunch:
+        launch = self.runner.launch_decode(plan)
+        for seq in plan.seqs:
             seq.token_ids.append(PENDING)
         return launch
 
@@ -302,8 +296,8 @@ class Scheduler:
         now = self.clock()
         out: dict[int, int] = {}
         bm = self.block_manager
-        bs = self.config.block_size
         cache = bm.enable_prefix_cache
+        fills_block = bm.fills_block
         running = SequenceStatus.RUNNING
         for seq, token in zip(launch.seqs, sampled):
             if seq.status is not running:
@@ -312,7 +306,7 @@ class Scheduler:
             index = tokens.index(PENDING, seq.num_computed_tokens)  # the oldest pending token is this step's
             tokens[index] = token
             seq.num_computed_tokens += 1
-            if cache and seq.num_computed_tokens % bs == 0:
+            if cache and fills_block(seq):
                 bm.commit_full_blocks(seq)
             self._accept(seq, token, index + 1, now, out)
         return out
@@ -325,7 +319,6 @@ class Scheduler:
         out[seq.request_id] = token
         reason = self._check_stop(seq, token, length)
         if reason is not None:
-            seq.finished_at = now
             self._finish(seq, reason)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> Optional[FinishReason]:
@@ -367,12 +360,9 @@ class Scheduler:
         (token ids only: text is the output processor's, see `LLMEngine.generate`)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        seqs = [self.seqs[i] for i in ids]
         while self.has_unfinished():
             tokens = self.step()
             if on_tokens and tokens:
                 on_tokens(tokens)
         self.pop_finished_ids()
-        for i in ids:
-            self.seqs.pop(i, None)
-        return seqs
+        return [self.pop_request(i) for i in ids]

@@ -35,8 +35,7 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
-                 "status", "finish_reason", "arrival_index", "num_preemptions",
-                 "admitted_at", "first_token_at", "finished_at", "table_version", "launch_no", "launch_row")
+                 "status", "finish_reason", "arrival_index", "admitted_at", "first_token_at")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -44,10 +43,7 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.block_table: list[int] = []
-        self.table_version = 0  # globally unique stamp of the block table's contents (runner caches rows by it)
-        self.launch_no = 0  # the runner's last decode launch that included this sequence, and its row there
-        self.launch_row = 0
+        self.block_table: list[int] = []  # replaced by the block manager, never changed in place
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_hashed_blocks = 0
@@ -55,10 +51,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         self.arrival_index = arrival_index
-        self.num_preemptions = 0
         self.admitted_at: Optional[float] = None
         self.first_token_at: Optional[float] = None
-        self.finished_at: Optional[float] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -70,10 +64,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

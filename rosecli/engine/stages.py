@@ -18,18 +18,6 @@ import time
 from contextlib import nullcontext
 from typing import Optional
 
-STAGE_NAMES = (
-    "scheduler_step",
-    "prefill_admission",
-    "prepare_inputs",
-    "h2d_copy",
-    "prefill_forward",
-    "decode_forward",
-    "sampling",
-    "d2h_copy",
-    "detokenize_fanout",
-    "stream_flush",
-)
 INSIDE_STEP = ("prefill_admission", "prepare_inputs", "h2d_copy", "prefill_forward", "decode_forward",
                "sampling", "d2h_copy")
 
@@ -89,10 +77,6 @@ class Stages:
 
             self._record_function = record_function
         self.torch_trace = on
-
-    @property
-    def enabled(self) -> bool:
-        return self.nvtx or self.timing or self.torch_trace
 
     def range(self, name: str, count: Optional[int] = None):
         if not (self.nvtx or self.timing or self.torch_trace):

@@ -55,9 +55,9 @@ def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[floa
                     measured.append(m)
                     raw.append(serve_request_records(run.timings, run.wall_start))
                     failures += [(t.error_kind, t.error) for t in run.timings if not t.success]
-        from rosecli.bench.results import summary_of
+        from rosecli.bench.metrics import median_figures
 
-        return {"runs": runs, "summary": summary_of(runs), "requests": raw, "measured": measured,
+        return {"runs": runs, "summary": median_figures([r["figures"] for r in runs if not r["warmup"]]), "requests": raw, "measured": measured,
                 "failures": failures, "submitted": len(requests) * repeats}
 
     return asyncio.run(main())

@@ -1,4 +1,4 @@
-"""Time one sampling step at batch 64 on the GPU: greedy argmax, the old sort-based `sample`, and
+"""Time one sampling step at batch 64 on the GPU: greedy argmax and
 `SamplerState` for several parameter sets, eager and replayed from a CUDA graph; S1 at batch 1 too,
 and top-p alone on flat logits (nuclei beyond the candidate scratch: the whole-row search).
 
@@ -12,7 +12,6 @@ from types import SimpleNamespace as P
 
 import torch
 
-from rosecli.engine.sampler import sample as old_sample
 from rosecli.engine.sampling_state import SamplerState
 
 CONFIGS = {
@@ -71,7 +70,6 @@ def main():
 
         row("greedy argmax", B, lambda: logits.argmax(dim=-1))
         gen = torch.Generator(device=dev).manual_seed(0)
-        row("old sample() S1", B, lambda: old_sample(logits, [0.8] * B, [50] * B, [0.95] * B, [None] * B, gen))
         for B, name, params, scale in cases:
             base = base_all[:B] * (scale / 3.0)
             logits = base.clone()

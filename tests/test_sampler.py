@@ -1,33 +1,13 @@
-"""Sampling: seeds repeat, top-k=1 is greedy, top-p keeps the smallest nucleus."""
+"""Sampling through the engine (the runner's SamplerState; its kernels are tested against their
+references in test_sampler_state.py): seeds repeat, top-k=1 is greedy, penalties, logit_bias and
+min_tokens change what the model says exactly as transformers' logits processors do."""
 
+import pytest
 import torch
 
-from engine_utils import VOCAB, tiny_hf_model, tiny_scheduler
+from engine_utils import tiny_hf_model, tiny_scheduler
 from rosecli.engine.config import SamplingParams
-from rosecli.engine.sampler import apply_top_k_top_p, sample
-
-
-def test_top_p_keeps_smallest_set_reaching_p():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    logits = probs.log()
-    for p, kept in ((0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.95, 3), (0.96, 4), (1.0, 4)):
-        out = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([p]))
-        assert torch.isfinite(out).sum().item() == kept, p
-
-
-def test_top_k_keeps_k_and_renormalises_before_top_p():
-    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    out = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False, False]]
-
-
-def test_sampling_follows_the_distribution():
-    probs = torch.tensor([0.6, 0.3, 0.1])
-    logits = probs.log().repeat(4000, 1)
-    g = torch.Generator().manual_seed(0)
-    ids = sample(logits, [1.0] * 4000, [0] * 4000, [1.0] * 4000, [None] * 4000, g)
-    freq = torch.bincount(ids, minlength=3).float() / 4000
-    assert torch.allclose(freq, probs, atol=0.03)
+from rosecli.engine.errors import RequestError
 
 
 def _run(sched, prompts, params):
@@ -55,3 +35,54 @@ def test_per_request_seed_does_not_depend_on_batch():
     other = SamplingParams(max_new_tokens=12, temperature=0.8, stop_on_eos=False)
     batched = tiny_scheduler(hf, seed=99).run_to_completion([[8, 9], [3, 4, 5]], [other, params])
     assert batched[1].output_token_ids == alone
+
+
+def _hf_generate(hf, prompt, n, **kw):
+    """transformers' greedy decoding with its logits processors (eos never stops it)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_repetition_penalty_greedy_matches_transformers():
+    hf = tiny_hf_model("llama", seed=4)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = _run(tiny_scheduler(hf), [prompt], SamplingParams(max_new_tokens=12, stop_on_eos=False))[0]
+    params = SamplingParams(max_new_tokens=12, stop_on_eos=False, repetition_penalty=1.8)
+    ours = _run(tiny_scheduler(hf), [prompt], params)[0]
+    assert ours == _hf_generate(hf, prompt, 12, repetition_penalty=1.8, eos_token_id=None, min_new_tokens=12)
+    assert ours != plain  # the penalty changed what the model says
+
+
+def test_logit_bias_and_min_tokens_through_the_engine():
+    hf = tiny_hf_model("gpt2", seed=5)
+    prompt = [11, 12, 13]
+    forced = _run(tiny_scheduler(hf), [prompt], SamplingParams(max_new_tokens=5, stop_on_eos=False,
+                                                               logit_bias={42: 100.0}))[0]
+    assert forced == [42] * 5
+    # EOS (id 1 in the tiny scheduler) biased to win: without min_tokens the request stops at once,
+    # with min_tokens=4 EOS is held back for four tokens, then it stops
+    eos_first = SamplingParams(max_new_tokens=10, logit_bias={1: 100.0})
+    assert _run(tiny_scheduler(hf), [prompt], eos_first)[0] == [1]
+    held = SamplingParams(max_new_tokens=10, logit_bias={1: 100.0}, min_tokens=4)
+    out = _run(tiny_scheduler(hf), [prompt], held)[0]
+    assert len(out) == 5 and 1 not in out[:4] and out[4] == 1
+
+
+def test_penalties_in_a_mixed_batch_leave_greedy_rows_alone():
+    hf = tiny_hf_model("llama", seed=6)
+    prompts = [[3, 4, 5, 3, 4], [8, 9, 8, 9]]
+    greedy = SamplingParams(max_new_tokens=10, stop_on_eos=False)
+    alone = _run(tiny_scheduler(hf), [prompts[0]], greedy)[0]
+    pen = SamplingParams(max_new_tokens=10, stop_on_eos=False, presence_penalty=1.5, frequency_penalty=1.0)
+    sched = tiny_scheduler(hf)
+    mixed = _run(sched, prompts, [greedy, pen])
+    assert mixed[0] == alone
+    assert mixed[1] == _run(tiny_scheduler(hf), [prompts[1]], pen)[0]
+    assert sched.block_manager.num_used_blocks == 0 and not sched.runner.sampler.active.any()  # slots back
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_when_added():
+    sched = tiny_scheduler(tiny_hf_model("gpt2", seed=1))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        sched.add_request([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}))

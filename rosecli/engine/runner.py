@@ -27,9 +27,9 @@ import torch
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
 from rosecli.engine.block_manager import slot_of, slots_of
 from rosecli.engine.config import EngineConfig, SamplingParams
-from rosecli.engine.errors import ConfigError
+from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
-from rosecli.engine.sampler import sample
+from rosecli.engine.sampling_state import SamplerState
 from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
 from rosecli.engine.step_plan import StepPlan
@@ -108,6 +108,12 @@ class DecodeLaunch:
         self.seqs, self.out, self.event = seqs, out, event
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """The model's argmax is the answer: greedy, nothing that changes the logits."""
+    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not p.min_tokens
+            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, max_model_len: int,
                  device: torch.device, dtype: torch.dtype, stages: Optional[Stages] = None,
@@ -127,9 +133,15 @@ class ModelRunner:
             "the runner reads a config resolved for its device: EngineConfig.resolved(device)"
         self.use_triton = config.paged_attn
         self.use_graphs = config.cuda_graph
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(config.seed)
-        self._seq_generators: dict[int, torch.Generator] = {}
+        vocab = getattr(model, "vocab_size", None)
+        # one sampling slot per admitted request (at most max_active_requests are admitted, preempted
+        # ones included: they wait at the head of the queue, before any new admission)
+        self.num_sampling_slots = max(config.max_active_requests or config.max_batch_size, config.max_batch_size,
+                                      config.prefill_max_batch_size)
+        self.sampler = SamplerState(self.num_sampling_slots, vocab, device, seed=config.seed) if vocab else None
+        self.eos_token_ids: list[int] = []  # set by the scheduler: what min_tokens holds back with stop ids
+        self._slots: dict[int, int] = {}  # request id -> sampling slot, from its first sampled token
+        self._special: set[int] = set()  # request ids whose sampling is not plain greedy
         self.num_blocks = self._decide_num_blocks()
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
@@ -198,6 +210,10 @@ class ModelRunner:
         samples = max(mb, self.config.prefill_max_batch_size)  # prefill samples too
         self.h_sampled = [torch.zeros(samples, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.np_sampled = [t.numpy() for t in self.h_sampled]
+        # each row's sampling slot, written like the staging areas (two, alternating) and copied once
+        self._h_slot_rows = [torch.zeros(samples, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._np_slot_rows = [t.numpy() for t in self._h_slot_rows]
+        self._d_slot_rows = torch.zeros(samples, dtype=torch.long, device=self.device)
         if self.is_cuda:
             self.dev_staging = _Staging(torch.zeros(nbytes, dtype=torch.uint8, device=self.device), mb, nb)
             self._events = [torch.cuda.Event() for _ in range(2)]
@@ -387,7 +403,7 @@ class ModelRunner:
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            ids_dev = self._sample(seqs, logits, greedy)
+            ids_dev = self._sample(seqs, logits, greedy, flip)
             if ids_dev is not greedy:
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
@@ -414,11 +430,35 @@ class ModelRunner:
             self._decode_forward(batch, self._meta_for(batch, max_context_len))
         return graph is not None
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor]) -> torch.Tensor:
-        if all(s.params.temperature == 0.0 or s.params.top_k == 1 for s in seqs):
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
+                flip: int) -> torch.Tensor:
+        """The batch's next ids on the device. Every request gets its sampling slot on its first
+        sampled token; while every admitted request is plain greedy, the model's argmax (computed
+        inside the decode graph) is the answer and the sampler is not called."""
+        slots = self._slots
+        for s in seqs:
+            if s.request_id not in slots:
+                self._acquire(s)
+        if not self._special:
             return greedy if greedy is not None else logits.argmax(dim=-1)
-        return sample(logits, [s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
-                      [s.params.top_p for s in seqs], [self._generator_for(s) for s in seqs], self.generator)
+        st = self.sampler
+        batch = len(seqs)
+        h = self._np_slot_rows[flip]
+        for i, s in enumerate(seqs):
+            h[i] = slots[s.request_id]
+        d = self._d_slot_rows[:batch]
+        d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
+        st.flush()
+        return st.sample(logits, d).token_ids
+
+    def _acquire(self, seq: Sequence) -> None:
+        p = seq.params
+        stop_ids = (list(self.eos_token_ids) if p.stop_on_eos else []) + list(p.stop_token_ids)
+        out = [t for t in seq.output_token_ids if t != PENDING]
+        self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
+                                                           output_ids=out, stop_ids=stop_ids)
+        if not _plain_greedy(p):
+            self._special.add(seq.request_id)
 
     def _fetch(self, ids: torch.Tensor, batch: int, flip: int):
         """Start the device-to-host copy of sampled ids; returns (numpy view, event or None)."""
@@ -478,28 +518,30 @@ class ModelRunner:
             rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         picked = [seqs[i] for i in sample_idx]
-        with self.stages.range("sampling", len(picked)):
-            ids = self._sample(picked, logits, None)
         flip = self._next_buffers()
+        with self.stages.range("sampling", len(picked)):
+            ids = self._sample(picked, logits, None, flip)
         sampled = self.collect(DecodeLaunch(picked, *self._fetch(ids, len(picked), flip)))
         for i, tok in zip(sample_idx, sampled):
             out[i] = tok
         return out
 
     def add_request(self, seq: Sequence) -> None:
-        """Build per-request state (its seeded generator) when the request is added, so that a
-        failure there fails that request alone, not a batched step."""
-        if seq.params.seed is not None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(seq.params.seed)
-            self._seq_generators[seq.request_id] = g
-
-    def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
-        return self._seq_generators.get(seq.request_id)  # None: the engine's shared generator
+        """Check what the sampler will be given when the request is added, so that a bad value
+        fails that request alone, not a batched step (its slot is taken at its first token)."""
+        vocab = self.sampler.vocab_size if self.sampler is not None else None
+        if vocab is not None:
+            bad = [t for t in list(seq.params.logit_bias) + list(seq.params.stop_token_ids) if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} in logit_bias or stop_token_ids is outside the vocabulary "
+                                   f"[0, {vocab})")
 
     def release(self, seq: Sequence) -> None:
-        """Forget per-request state (its seeded generator) once the request is done."""
-        self._seq_generators.pop(seq.request_id, None)
+        """Forget per-request state (its sampling slot) once the request is done."""
+        slot = self._slots.pop(seq.request_id, None)
+        if slot is not None:
+            self.sampler.release(slot)
+        self._special.discard(seq.request_id)
 
     def close(self) -> None:
         self.graphs.clear()

@@ -53,6 +53,7 @@ class Scheduler:
         self.config = config
         self.runner = runner
         self.eos_token_ids = set(eos_token_ids)
+        runner.eos_token_ids = sorted(self.eos_token_ids)  # min_tokens holds them back in sampling
         self.max_model_len = max_model_len
         self.stages = stages or runner.stages
         self.clock = clock

@@ -86,3 +86,17 @@ def test_logit_bias_outside_the_vocabulary_is_refused_when_added():
     sched = tiny_scheduler(tiny_hf_model("gpt2", seed=1))
     with pytest.raises(RequestError, match="outside the vocabulary"):
         sched.add_request([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}))
+
+
+def test_every_sampling_slot_is_free_after_start_up_and_after_each_request():
+    """The start-up warm-up steps and every finished, aborted or preempted-then-finished request give
+    their slot back: a full batch of max_batch_size requests is admitted again and again."""
+    hf = tiny_hf_model("llama", seed=8)
+    sched = tiny_scheduler(hf, max_batch_size=4, prefill_max_batch_size=4)
+    sched.runner._warmup_kernels()  # what prepare() runs on CUDA before capturing graphs
+    assert not sched.runner.sampler.active.any()
+    params = SamplingParams(max_new_tokens=3, stop_on_eos=False, temperature=0.7, seed=1)
+    for _ in range(3):
+        outs = sched.run_to_completion([[5, 6], [7, 8], [9, 10], [11, 12]], params)
+        assert all(len(s.output_token_ids) == 3 for s in outs)
+        assert not sched.runner.sampler.active.any()

@@ -270,6 +270,8 @@ class ModelRunner:
             self.execute(StepPlan.prefill(seqs, [len(s) for s in seqs]))
             if not self.use_graphs:
                 self.execute(StepPlan.decode(seqs))
+            for s in seqs:  # their sampling slots back: every slot is a real request's
+                self.release(s)
 
     def _capture_graphs(self, progress) -> None:
         pool = None

@@ -84,7 +84,7 @@ def test_penalties_in_a_mixed_batch_leave_greedy_rows_alone():
 
 def test_logit_bias_outside_the_vocabulary_is_refused_when_added():
     sched = tiny_scheduler(tiny_hf_model("gpt2", seed=1))
-    with pytest.raises(RequestError, match="outside the vocabulary"):
+    with pytest.raises(RequestError, match="logit_bias: token id 1000000 is outside the vocabulary"):
         sched.add_request([1, 2], SamplingParams(logit_bias={10 ** 6: 1.0}))
 
 

@@ -455,7 +455,9 @@ class ModelRunner:
 
     def _acquire(self, seq: Sequence) -> None:
         p = seq.params
-        stop_ids = (list(self.eos_token_ids) if p.stop_on_eos else []) + list(p.stop_token_ids)
+        vocab = self.sampler.vocab_size  # a stop id past the vocabulary can never be sampled: nothing to hold back
+        stop_ids = [t for t in (list(self.eos_token_ids) if p.stop_on_eos else []) + list(p.stop_token_ids)
+                    if t < vocab]
         out = [t for t in seq.output_token_ids if t != PENDING]
         self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
                                                            output_ids=out, stop_ids=stop_ids)
@@ -533,10 +535,9 @@ class ModelRunner:
         fails that request alone, not a batched step (its slot is taken at its first token)."""
         vocab = self.sampler.vocab_size if self.sampler is not None else None
         if vocab is not None:
-            bad = [t for t in list(seq.params.logit_bias) + list(seq.params.stop_token_ids) if not 0 <= t < vocab]
+            bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
             if bad:
-                raise RequestError(f"token id {bad[0]} in logit_bias or stop_token_ids is outside the vocabulary "
-                                   f"[0, {vocab})")
+                raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling slot) once the request is done."""

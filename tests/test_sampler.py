@@ -94,6 +94,7 @@ def test_every_sampling_slot_is_free_after_start_up_and_after_each_request():
     hf = tiny_hf_model("llama", seed=8)
     sched = tiny_scheduler(hf, max_batch_size=4, prefill_max_batch_size=4)
     sched.runner._warmup_kernels()  # what prepare() runs on CUDA before capturing graphs
+    sched.runner._warmup_sampler()
     assert not sched.runner.sampler.active.any()
     params = SamplingParams(max_new_tokens=3, stop_on_eos=False, temperature=0.7, seed=1)
     for _ in range(3):

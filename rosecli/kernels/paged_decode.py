@@ -124,12 +124,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
                    kv_heads, group, num_splits, window, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     if PDL:  # the merge may launch now: it waits for this whole grid to end before it reads
         gdc_launch_dependents()
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
-    lo = tl.maximum(ctx - window, 0)  # the first token attended: tiles wholly before it are not read
+    if HAS_WINDOW:  # the first token attended: tiles wholly before it are not read
+        lo = tl.maximum(ctx - window, 0)
+    else:  # a constant: a model without a window compiles the kernel it had before windows existed
+        lo = 0
     n_tiles = _split_tiles(ctx, lo, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
@@ -231,7 +234,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         window or NO_WINDOW, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl,

@@ -133,12 +133,11 @@ class ModelRunner:
             "the runner reads a config resolved for its device: EngineConfig.resolved(device)"
         self.use_triton = config.paged_attn
         self.use_graphs = config.cuda_graph
-        vocab = getattr(model, "vocab_size", None)
         # one sampling slot per admitted request (at most max_active_requests are admitted, preempted
         # ones included: they wait at the head of the queue, before any new admission)
         self.num_sampling_slots = max(config.max_active_requests or config.max_batch_size, config.max_batch_size,
                                       config.prefill_max_batch_size)
-        self.sampler = SamplerState(self.num_sampling_slots, vocab, device, seed=config.seed) if vocab else None
+        self.sampler = SamplerState(self.num_sampling_slots, model.vocab_size, device, seed=config.seed)
         self.eos_token_ids: list[int] = []  # set by the scheduler: what min_tokens holds back with stop ids
         self._slots: dict[int, int] = {}  # request id -> sampling slot, from its first sampled token
         self._special: set[int] = set()  # request ids whose sampling is not plain greedy
@@ -279,8 +278,6 @@ class ModelRunner:
         about 15 s for them (measured on the H100). One row each for sampling alone, with
         penalties and min_p, and top-p alone; the slots are given back."""
         st = self.sampler
-        if st is None:
-            return
         kinds = (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
                  SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=0.5),
@@ -557,11 +554,10 @@ class ModelRunner:
     def add_request(self, seq: Sequence) -> None:
         """Check what the sampler will be given when the request is added, so that a bad value
         fails that request alone, not a batched step (its slot is taken at its first token)."""
-        vocab = self.sampler.vocab_size if self.sampler is not None else None
-        if vocab is not None:
-            bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        vocab = self.sampler.vocab_size
+        bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling slot) once the request is done."""

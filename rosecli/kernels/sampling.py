@@ -91,10 +91,14 @@ def race_ref(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, 
     B, N = x.shape
     if tokens is None:
         tokens = torch.arange(N, device=x.device).expand(B, N)
-    g = gumbel_ref(keys[slots], steps[slots], tokens)
-    greedy = (inv_t == 0)[:, None]
-    score = torch.where(greedy, x, x * inv_t[:, None] + g)
-    score = score.masked_fill(~(x >= tau[:, None]), float("-inf"))
+    kept = x >= tau[:, None]
+    score = x.masked_fill(~kept, float("-inf"))  # greedy rows race on their logits alone
+    # noise only where it can win: the kept entries of sampled rows (a nucleus is often a few
+    # tokens; the CPU's sampling cost is mostly this hash)
+    rows, cols = (kept & (inv_t != 0)[:, None]).nonzero(as_tuple=True)
+    if rows.numel():
+        g = gumbel_ref(keys[slots][rows], steps[slots][rows], tokens[rows, cols][:, None]).squeeze(1)
+        score[rows, cols] = x[rows, cols] * inv_t[rows] + g
     best = score.argmax(dim=1, keepdim=True)
     return tokens.gather(1, best).squeeze(1).long()
 

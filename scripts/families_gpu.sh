@@ -8,16 +8,8 @@
 # Writes under $OUT: device.txt, gpu_tests.txt, families.txt, families.json (and sweep128.txt/.json). Usage:
 #   OUT=/some/dir bash scripts/families_gpu.sh [tests] [bench] [sweep]
 set -uo pipefail
-OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
-if [ -d .whl ]; then  # packages missing from the GPU image (optional: the script runs without them)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_env.sh"
 steps="${*:-tests bench}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for step in $steps; do
   echo "=== $step ==="
   case $step in

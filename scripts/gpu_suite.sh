@@ -3,17 +3,10 @@
 # then the BENCHMARKS.md workloads. Writes logs under $OUT (or ./gpu-out). Usage:
 #   bash scripts/gpu_suite.sh [tests] [gpu-tests] [ab] [kernels] [decode] [workloads] [profile] [serve]
 set -uo pipefail
-OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 ROSE_CACHE_DIR="$PWD/.gpu/cache"
+source "$(dirname "$0")/gpu_env.sh"
+export ROSE_CACHE_DIR="$PWD/.gpu/cache"
 rose() { python3 -m rosecli "$@"; }
 steps="${*:-tests kernels decode}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for step in $steps; do
   echo "=== $step ==="
   case $step in

@@ -268,7 +268,6 @@ class Scheduler:
 
     def _run_prefill(self, plan: StepPlan) -> dict[int, int]:
         sampled = self.runner.execute(plan)
-        now = self.clock()
         out: dict[int, int] = {}
         bm = self.block_manager
         cache = bm.enable_prefix_cache
@@ -281,7 +280,7 @@ class Scheduler:
             self.prefilling.remove(seq)
             self.running.append(seq)
             seq.token_ids.append(token)
-            self._accept(seq, token, len(seq.token_ids), now, out)
+            self._accept(seq, token, len(seq.token_ids), out)
         return out
 
     def _launch_decode(self, plan: StepPlan) -> DecodeLaunch:
@@ -294,7 +293,6 @@ class Scheduler:
         """Fill in a launched decode step's tokens; a sequence that finished meanwhile (a stop in
         the step before, or discarded) drops its token."""
         sampled = self.runner.collect(launch)
-        now = self.clock()
         out: dict[int, int] = {}
         bm = self.block_manager
         cache = bm.enable_prefix_cache
@@ -309,14 +307,12 @@ class Scheduler:
             seq.num_computed_tokens += 1
             if cache and fills_block(seq):
                 bm.commit_full_blocks(seq)
-            self._accept(seq, token, index + 1, now, out)
+            self._accept(seq, token, index + 1, out)
         return out
 
-    def _accept(self, seq: Sequence, token: int, length: int, now: float, out: dict[int, int]) -> None:
+    def _accept(self, seq: Sequence, token: int, length: int, out: dict[int, int]) -> None:
         """Record a sampled token (the sequence's first ``length`` tokens are now known) and stop
         the sequence if it ends there."""
-        if seq.first_token_at is None:
-            seq.first_token_at = now
         out[seq.request_id] = token
         reason = self._check_stop(seq, token, length)
         if reason is not None:

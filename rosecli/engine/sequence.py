@@ -35,7 +35,7 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
-                 "status", "finish_reason", "arrival_index", "admitted_at", "first_token_at")
+                 "status", "finish_reason", "arrival_index", "admitted_at")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -52,7 +52,6 @@ class Sequence:
         self.finish_reason: Optional[FinishReason] = None
         self.arrival_index = arrival_index
         self.admitted_at: Optional[float] = None
-        self.first_token_at: Optional[float] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

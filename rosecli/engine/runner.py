@@ -108,9 +108,11 @@ class DecodeLaunch:
         self.seqs, self.out, self.event = seqs, out, event
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    """The model's argmax is the answer: greedy, nothing that changes the logits."""
-    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not p.min_tokens
+def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
+    """The model's argmax is the answer: greedy, nothing that changes the logits (``min_tokens``
+    changes them only when there are stop ids to hold back: not with ``ignore_eos`` and no
+    ``stop_token_ids``, which is how benchmarks fix output lengths)."""
+    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not (p.min_tokens and holds_back)
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
@@ -482,7 +484,7 @@ class ModelRunner:
         out = [t for t in seq.output_token_ids if t != PENDING]
         self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
                                                            output_ids=out, stop_ids=stop_ids)
-        if not _plain_greedy(p):
+        if not _plain_greedy(p, bool(stop_ids)):
             self._special.add(seq.request_id)
 
     def _fetch(self, ids: torch.Tensor, batch: int, flip: int):

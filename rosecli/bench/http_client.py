@@ -193,14 +193,15 @@ async def _read_stream(response, t: HttpTiming, chat: bool) -> None:
         t.output_tokens = content_events  # no usage event: one token per event with text (an estimate)
 
 
-async def _send(client, target: Target, req: ServeRequest, t: HttpTiming, sem) -> None:
+async def _send(pool: ClientPool, target: Target, req: ServeRequest, t: HttpTiming, sem) -> None:
     import httpx
 
     try:
         async with sem:
             t.start = time.perf_counter()
             try:
-                async with client.stream("POST", target.endpoint, json=target.payload(req)) as r:
+                async with pool.client() as client, \
+                        client.stream("POST", target.endpoint, json=target.payload(req)) as r:
                     if r.status_code != 200:
                         body = await r.aread()
                         raise _Failed(_status_kind(r.status_code), f"HTTP {r.status_code}: {_error_text(body)}")
@@ -219,15 +220,52 @@ async def _send(client, target: Target, req: ServeRequest, t: HttpTiming, sem) -
         t.success, t.error_kind, t.error = False, "client_error", f"request {t.index}: {type(e).__name__}: {_reason(e)}"
 
 
-def make_client(target: Target, max_concurrency: Optional[int]):
-    import httpx
+class ClientPool:
+    """One ``httpx.AsyncClient`` (one keep-alive connection) per concurrent request, reused between
+    requests and runs. httpx's own pool checks every pooled connection each time a request is
+    assigned (a ``getpeername`` and a readability poll per connection): at 64 streams that was
+    about half of this client's CPU time, and the client became the bottleneck it must not be."""
 
-    timeout = httpx.Timeout(target.request_timeout, connect=min(30.0, target.request_timeout))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max_concurrency or 256)
-    return httpx.AsyncClient(base_url=target.base_url, headers=target.headers(), timeout=timeout, limits=limits)
+    def __init__(self, target: Target):
+        import ssl
+
+        import httpx
+
+        self._httpx = httpx
+        self.target = target
+        self._timeout = httpx.Timeout(target.request_timeout, connect=min(30.0, target.request_timeout))
+        self._limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        self._ssl = ssl.create_default_context()  # made once: a context per client costs milliseconds
+        self._free: list = []
+        self._all: list = []
+
+    @contextlib.asynccontextmanager
+    async def client(self):
+        c = self._free.pop() if self._free else None
+        if c is None:
+            c = self._httpx.AsyncClient(base_url=self.target.base_url, headers=self.target.headers(),
+                                        timeout=self._timeout, limits=self._limits, verify=self._ssl)
+            self._all.append(c)
+        try:
+            yield c
+        finally:
+            self._free.append(c)
+
+    async def __aenter__(self) -> "ClientPool":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        clients, self._all, self._free = self._all, [], []
+        for c in clients:
+            await c.aclose()
 
 
-async def run_serve(client, target: Target, requests: list[ServeRequest], offsets: list[float],
+def make_client(target: Target, max_concurrency: Optional[int] = None) -> ClientPool:
+    """The clients of one benchmark (an async context manager; ``run_serve`` takes it)."""
+    return ClientPool(target)
+
+
+async def run_serve(pool: ClientPool, target: Target, requests: list[ServeRequest], offsets: list[float],
                     max_concurrency: Optional[int] = None, progress: Optional[Progress] = None,
                     progress_every_s: float = 0.1) -> ServeRun:
     """Send ``requests`` on the schedule ``offsets`` (seconds after the start) and wait for all."""
@@ -253,7 +291,7 @@ async def run_serve(client, target: Target, requests: list[ServeRequest], offset
             await asyncio.sleep(left)
         t = timings[i]
         t.scheduled, t.dispatched = due, time.perf_counter()
-        tasks.append(asyncio.create_task(_send(client, target, req, t, sem)))
+        tasks.append(asyncio.create_task(_send(pool, target, req, t, sem)))
     await asyncio.gather(*tasks)
     end = time.perf_counter()
     if reporter is not None:

@@ -190,6 +190,46 @@ def test_chat_raw_sse_framing(http):
     assert "usage" not in payloads[-1]  # only with stream_options.include_usage
 
 
+def test_stream_events_are_the_chunks_byte_for_byte():
+    """The per-request SSE template gives exactly json.dumps of the chunk, for any text."""
+    from rosecli.server import protocol as p
+
+    for chat in (False, True):
+        for include_usage in (False, True):
+            env = p.Envelope(chat, 'org/model "q"')
+            for text in ["", "hi", " \u00e9\u4e2d\n\"\\", "\x00", "\U0001f642", "\ud800"]:
+                want = "data: " + json.dumps(env.chunk(text=text, include_usage=include_usage),
+                                             separators=(",", ":")) + "\n\n"
+                assert env.text_event(text, include_usage) == want
+
+
+def test_pieces_queued_behind_a_busy_loop_go_out_in_one_write_one_event_each(live):
+    """When the event loop falls behind the engine, a stream sends what has queued in one write,
+    still one SSE event per piece, in order; a shutdown ends it with the error event and [DONE]."""
+    import asyncio
+
+    from rosecli.server import app as server_app
+    from rosecli.server import protocol as p
+
+    rose = live.app.state.rose
+
+    async def collect():
+        q = asyncio.Queue()
+        for piece in ("Hel", "lo", " wor", "ld"):
+            q.put_nowait(piece)
+        q.put_nowait(server_app._SHUTDOWN)
+        rose.active += 1  # as a request that passed generate(); _stream gives it back
+        return [w async for w in rose._stream(-1, q, p.Envelope(False, MODEL), False, time.perf_counter())]
+
+    writes = asyncio.run(collect())
+    assert len(writes) == 2  # the four pieces, then the end of the stream
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"] for e in writes[0].split("\n\n") if e]
+    assert texts == ["Hel", "lo", " wor", "ld"]
+    tail = [e for e in writes[1].split("\n\n") if e]
+    assert json.loads(tail[0][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+    assert "error" in json.loads(tail[1][len("data: "):]) and tail[-1] == "data: [DONE]"
+
+
 def test_stop_string_excluded(client):
     base = client.completions.create(model=MODEL, prompt="Rivers flow to", max_tokens=12, **GREEDY)
     text = base.choices[0].text

@@ -53,7 +53,7 @@ def serve_local(
         from prometheus_client import disable_created_metrics
 
         from rosecli.server.app import OVERLOAD_MODES, create_app
-        from rosecli.server.uvicorn_server import PortInUseError, bind_socket, make_server
+        from rosecli.server.uvicorn_server import PortInUseError, bind_socket, make_server, set_gil_switch_interval
     except ImportError as e:
         o.fail(f"rose serve-local needs the server extras ({e.name} is missing): pip install 'rosecli[serve]'")
 
@@ -100,6 +100,7 @@ def serve_local(
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)
         # uvicorn re-raises the signal it shut down on; SIGTERM then ends the process with status 0
         signal.signal(signal.SIGTERM, _exit_cleanly)
+        set_gil_switch_interval()
         server.run(sockets=[sock])
         if died and exit_on_engine_error:
             o.fail(f"the engine worker died: {manager.error}", code=1)

@@ -462,31 +462,41 @@ class _Server:
         try:
             if env.chat:
                 yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
-            while True:
+            last = None
+            while last is not END:
+                # every piece already queued goes out in one write (one event each): when the loop
+                # runs behind the engine, a stream costs one send per wake-up, not one per token
+                events = []
                 piece = await q.get()
-                if piece is END:
-                    break
-                if piece is _SHUTDOWN:
+                while True:
+                    if piece is END or piece is _SHUTDOWN:
+                        last = piece
+                        break
+                    events.append(env.text_event(piece, include_usage))
+                    if q.empty():
+                        break
+                    piece = q.get_nowait()
+                if events:
+                    yield "".join(events)
+                if last is _SHUTDOWN:
                     self.metrics.finished("abort", arrival)
                     ended = True  # aborted already
-                    for event in self._stream_error(env, p.shutting_down(), "abort", include_usage):
-                        yield event
+                    yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
                     return
-                yield _sse(env.chunk(text=piece, include_usage=include_usage))
             ended = True
             try:
                 out = self.output(rid)
             except RoseError as e:
                 self.metrics.finished("error", arrival)
-                for event in self._stream_error(env, self._engine_failure(e), "error", include_usage):
-                    yield event
+                yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
                 return
             self.metrics.finished(p.finish_reason(out.finish_reason), arrival, out)
-            yield _sse(env.chunk(text=None if env.chat else "", finish=p.finish_reason(out.finish_reason),
-                                 include_usage=include_usage))
+            tail = [_sse(env.chunk(text=None if env.chat else "", finish=p.finish_reason(out.finish_reason),
+                                   include_usage=include_usage))]
             if include_usage:
-                yield _sse(env.usage_chunk(p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens)))
-            yield _sse("[DONE]")
+                tail.append(_sse(env.usage_chunk(p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))))
+            tail.append(_sse("[DONE]"))
+            yield "".join(tail)
         finally:
             if not ended:  # the client went away: free the request now
                 self.manager.abort(rid)

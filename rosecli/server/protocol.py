@@ -524,6 +524,7 @@ class Envelope:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
         self.model = model
+        self._templates: dict[bool, tuple[str, str]] = {}  # text_event's, by include_usage
 
     def _wrap(self, object_: str, choices: list, usage_: Optional[dict], with_usage: bool) -> dict:
         out = {"id": self.id, "object": object_, "created": self.created, "model": self.model,
@@ -545,6 +546,18 @@ class Envelope:
             return self._wrap("chat.completion.chunk", [choice], None, include_usage)
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         return self._wrap("text_completion", [choice], None, include_usage)
+
+    def text_event(self, text: str, include_usage: bool = False) -> str:
+        """``chunk(text)`` as its SSE event (``data: {...}``): the same bytes, from a template made
+        once per request, so a token costs one ``json.dumps`` of its text and not of the envelope."""
+        key = bool(include_usage)
+        t = self._templates.get(key)
+        if t is None:
+            mark = "\x00rose-text\x00"
+            body = json.dumps(self.chunk(text=mark, include_usage=include_usage), separators=(",", ":"))
+            before, after = body.split(json.dumps(mark), 1)
+            t = self._templates[key] = ("data: " + before, after + "\n\n")
+        return t[0] + json.dumps(text) + t[1]
 
     def usage_chunk(self, usage_: dict) -> dict:
         return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage_, True)

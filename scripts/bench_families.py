@@ -153,8 +153,11 @@ def bench_hf(name: str, args, partial) -> dict:
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     init_s = time.perf_counter() - t
     model.generation_config.cache_implementation = "static"
-    model.generation_config.disable_compile = True  # compiled below, as transformers' static-cache guide does
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # generate() compiles the decoding forward itself for a static cache (its compile_config,
+    # "reduce-overhead": CUDA graphs). Wrapping model.forward in torch.compile by hand, as the
+    # older guide did, fails on transformers 5.x ("accessing tensor output of CUDAGraphs that has
+    # been overwritten"); if the built-in path fails too, the row says so and times eager.
+    model.generation_config.disable_compile = False
     row = {"impl": "transformers static+compile", "shape": name, "init_s": round(init_s, 1)}
     n = args.hf_new_tokens
     for batch in (1, 64):
@@ -169,7 +172,14 @@ def bench_hf(name: str, args, partial) -> dict:
                 model.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw)
 
         t = time.perf_counter()
-        gen(n)  # compiles (and captures the graphs) for this batch
+        try:
+            gen(n)  # compiles (and captures the graphs) for this batch
+        except Exception as e:  # noqa: BLE001 - recorded in the row, then timed without compile
+            row["compile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["impl"] = "transformers static (eager: compile failed)"
+            model.generation_config.disable_compile = True
+            torch._dynamo.reset()
+            gen(n)
         gen(n)
         row[f"compile_b{batch}_s"] = round(time.perf_counter() - t, 1)
         full = time_generate(lambda: gen(n), args.repeats)
@@ -192,7 +202,8 @@ def bench_hf(name: str, args, partial) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "qwen2.5-1.5b", "llama-3.1-8b"])
+    ap.add_argument("--shapes", nargs="*", default=["llama-3.2-1b", "qwen2.5-1.5b", "llama-3.1-8b"],
+                    help="rose runs (none: only the transformers runs)")
     ap.add_argument("--new-tokens", type=int, default=129)
     ap.add_argument("--hf-new-tokens", type=int, default=65)
     ap.add_argument("--repeats", type=int, default=3)

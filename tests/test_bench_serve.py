@@ -73,6 +73,19 @@ def test_short_outputs_and_percentile_parsing():
         metrics.parse_percentiles("50,101")
 
 
+def test_a_busy_client_is_reported():
+    """The client's CPU time over the run is reported, and a client busy 90% of a core or more
+    warns that it may be what limits the figures."""
+    from rosecli.bench.report import serve_warnings
+
+    timings = [_t(0, 0.0, [0.1, 0.2], out=2, asked=2)]
+    idle = summarize_serve_run(timings, 0.0, 2.0, client_cpu_s=0.5)
+    assert idle.client_cpu == pytest.approx(0.25) and metrics.serve_flatten(idle)["client_cpu_share"] == 0.25
+    assert not any("Client busy" in w for w in serve_warnings(idle))
+    busy = summarize_serve_run(timings, 0.0, 2.0, client_cpu_s=1.9)
+    assert any("Client busy: this client used 95%" in w for w in serve_warnings(busy))
+
+
 def test_arrivals_poisson_and_gamma_rescaled_to_the_rate():
     assert arrival_offsets(4, None) == [0.0] * 4
     for burstiness in (1.0, 0.5, 4.0):

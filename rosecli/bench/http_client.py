@@ -135,6 +135,7 @@ class ServeRun:
     timings: list[HttpTiming]
     wall_start: float  # run start: before the first request was due
     wall_end: float  # the last request ended
+    cpu_s: float = float("nan")  # this client process's CPU time over the run (all its threads)
 
 
 class _Failed(Exception):
@@ -272,6 +273,7 @@ async def run_serve(pool: ClientPool, target: Target, requests: list[ServeReques
     n = len(requests)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     timings = [HttpTiming(i, r.prompt_len, 0, r.output_len, 0.0, 0.0) for i, r in enumerate(requests)]
+    cpu0 = time.process_time()
     start = time.perf_counter()
     tasks = []
     stop = asyncio.Event()
@@ -298,4 +300,4 @@ async def run_serve(pool: ClientPool, target: Target, requests: list[ServeReques
         stop.set()
         await reporter
         progress(n, n, sum(t.output_tokens for t in timings if t.success), end - start)
-    return ServeRun(timings, start, end)
+    return ServeRun(timings, start, end, time.process_time() - cpu0)

@@ -479,6 +479,9 @@ def serve_lines(m: ServeRunMetrics) -> list[str]:
     return lines
 
 
+CLIENT_BUSY = 0.9  # client CPU time / duration from which a run warns that the client may be the bottleneck
+
+
 def serve_warnings(m: ServeRunMetrics) -> list[str]:
     out = []
     if m.short_outputs:
@@ -487,6 +490,9 @@ def serve_warnings(m: ServeRunMetrics) -> list[str]:
     if m.usage_missing:
         out.append(f"No usage: {m.usage_missing} requests ended without a usage event; their output tokens are "
                    "counted as events with text (an estimate)")
+    if m.client_cpu >= CLIENT_BUSY:
+        out.append(f"Client busy: this client used {100 * m.client_cpu:.0f}% of a core over the run; it may be what "
+                   "limits these figures (fewer concurrent streams, or run it on a less loaded machine)")
     return out
 
 
@@ -523,6 +529,8 @@ def serve_summary_lines(measured: Sequence[ServeRunMetrics], summary: dict, info
     lines.append(_row("Peak output token throughput (tok/s):", _num(summary.get("throughput_peak_output"))))
     lines.append(_row("Peak concurrent requests:", max((m.peak_concurrency for m in measured), default=0)))
     lines.append(_row("Total token throughput (tok/s):", _num(summary.get("throughput_total"))))
+    if not _absent(summary.get("client_cpu_share")):
+        lines.append(_row("Client CPU busy (% of one core):", _num(100 * summary["client_cpu_share"])))
     headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                "itl": "Inter-token Latency", "latency": "End-to-end Latency", "client_queue": "Client-side Queueing",
                "dispatch_lag": "Client dispatch lag (late vs schedule)"}

@@ -42,7 +42,8 @@ def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[floa
                 table.start_run(label, warmup)
                 run = await run_serve(client, target, requests, offsets, max_concurrency, table.update)
                 m = metrics.summarize_serve_run(run.timings, run.wall_start, run.wall_end, percentiles, goodput,
-                                                request_rate, expect_full_outputs=target.ignore_eos)
+                                                request_rate, expect_full_outputs=target.ignore_eos,
+                                                client_cpu_s=run.cpu_s)
                 table.finish_run(m)
                 errors = [t.error for t in run.timings if not t.success]
                 runs.append({"label": label, "warmup": warmup, "figures": metrics.serve_flatten(m),

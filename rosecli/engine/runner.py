@@ -116,6 +116,18 @@ def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
+class _SamplerGraph:
+    """The sampler's kernels for one decode batch, captured once and replayed: ``ids`` is its output."""
+
+    __slots__ = ("graph", "ids")
+
+    def __init__(self, graph, ids):
+        self.graph, self.ids = graph, ids
+
+
+MAX_SAMPLER_GRAPHS = 256  # (batch, variant) pairs captured at most; beyond, the sampler runs eagerly
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, max_model_len: int,
                  device: torch.device, dtype: torch.dtype, stages: Optional[Stages] = None,
@@ -147,6 +159,10 @@ class ModelRunner:
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
         self.graphs: dict[int, _DecodeGraph] = {}
+        # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
+        # first time that key is met (after running it eagerly once, so its kernels are loaded)
+        self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}
+        self._sampler_pool = None
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
         self.startup_times: dict[str, float] = {}
 
@@ -428,7 +444,7 @@ class ModelRunner:
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            ids_dev = self._sample(seqs, logits, greedy, flip)
+            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None)
             if ids_dev is not greedy:
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
@@ -456,10 +472,11 @@ class ModelRunner:
         return graph is not None
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                flip: int) -> torch.Tensor:
+                flip: int, static: bool = False) -> torch.Tensor:
         """The batch's next ids on the device. Every request gets its sampling slot on its first
         sampled token; while every admitted request is plain greedy, the model's argmax (computed
-        inside the decode graph) is the answer and the sampler is not called."""
+        inside the decode graph) is the answer and the sampler is not called. ``static``: ``logits``
+        is a decode graph's output buffer, so the sampler's kernels can be a graph of their own."""
         slots = self._slots
         for s in seqs:
             if s.request_id not in slots:
@@ -474,7 +491,33 @@ class ModelRunner:
         d = self._d_slot_rows[:batch]
         d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
         st.flush()
-        return st.sample(logits, d).token_ids
+        if not (static and self.use_graphs):
+            return st.sample(logits, d).token_ids
+        key = (logits.data_ptr(), batch, st.variant())
+        g = self._sampler_graphs.get(key, False)
+        if g:
+            g.graph.replay()
+            return g.ids
+        ids = st.sample(logits, d).token_ids  # this step's answer; also loads the kernels for the capture
+        if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
+            self._sampler_graphs[key] = self._capture_sampler(logits, d)
+        return ids
+
+    def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
+        """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
+        sampler's state (counts, steps) is not touched. None if the capture fails (that key then
+        samples eagerly; the failure is logged once)."""
+        try:
+            if self._sampler_pool is None:
+                self._sampler_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._sampler_pool):
+                ids = self.sampler.sample(logits, slots).token_ids
+            return _SamplerGraph(graph, ids)
+        except Exception as e:  # noqa: BLE001 - eager sampling is always correct
+            if not any(v is None for v in self._sampler_graphs.values()):
+                self.log(f"sampler graph capture failed ({type(e).__name__}: {e}); sampling runs eagerly")
+            return None
 
     def _acquire(self, seq: Sequence) -> None:
         p = seq.params
@@ -570,6 +613,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self.graphs.clear()
+        self._sampler_graphs.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None
         if self.is_cuda:

@@ -282,3 +282,28 @@ def test_charts_without_the_extra_say_what_to_install(sweep_file, monkeypatch):
     path, _ = sweep_file
     r = runner.invoke(app, ["bench", "plot", str(path)])
     assert r.exit_code != 0 and "pip install 'rosecli[plot]'" in r.output and "Traceback" not in r.output
+
+
+def test_serve_sweep_over_concurrency_against_a_live_server(cache_dir, tmp_path):
+    for extra in ("fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(extra)
+    from test_server import LiveServer
+
+    srv = LiveServer(cache_dir)
+    try:
+        path = tmp_path / "serve-sweep.json"
+        r = runner.invoke(app, ["bench", "sweep", "serve", "--base-url", srv.url, "--num-prompts", "4",
+                                "--input-len", "8", "--output-len", "3", "--max-concurrency", "1,2",
+                                "--save-result", str(path)])
+        assert r.exit_code == 0, r.output
+        assert r.output.index("Point conc 1 in 8 out 3:") < r.output.index("Point conc 2 in 8 out 3:")
+        doc = json.loads(path.read_text())
+        assert doc["sweep"]["mode"] == "serve" and doc["sweep"]["axes"]["max_concurrency"] == [1, 2]
+        for p, conc in zip(doc["points"], (1, 2)):
+            assert p["params"] == {"max_concurrency": conc, "input_len": 8, "output_len": 3}
+            assert max(run["counts"]["peak_concurrency"] for run in p["runs"]) <= conc
+            assert all(rec["success"] and rec["output_tokens"] == 3 for rec in p["requests"][0])
+        r = runner.invoke(app, ["bench", "sweep", "serve", "--base-url", srv.url, "--max-batch-size", "1,2"])
+        assert r.exit_code != 0 and "no such option" in r.output.lower(), r.output
+    finally:
+        srv.stop()

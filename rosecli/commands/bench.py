@@ -515,6 +515,12 @@ def sweep_stream(
                                                                                  "output_len")})
         out = bench_stream(engine, pspec, params, warmup_runs, repeat_runs, table, goodput=slo_s or None,
                            timeline=timeline)
+        # requests/s, as bench serve reports it: the load axis of a sweep (completed requests / wall)
+        measured_runs = [r for r in out["runs"] if not r["warmup"]]
+        for r, m in zip(measured_runs, out["measured"]):
+            r["figures"]["throughput_requests"] = m.requests / m.wall_s if m.wall_s > 0 else float("nan")
+        out["summary"]["throughput_requests"] = metrics.median_figures(
+            [r["figures"] for r in measured_runs])["throughput_requests"]
         return sweep.Point(p, out["runs"], out["summary"], out["requests"], out["timelines"], out["measured"],
                            out["failures"], out["submitted"])
 
@@ -630,9 +636,11 @@ def plot(
     width: Annotated[Optional[int], typer.Option("--width", help="Columns of the terminal chart (default: the "
                                                  "terminal's, at most 120).", min=40, max=1000)] = None,
 ) -> None:
-    """Charts of result files: TTFT and TPOT p50/p99 against output throughput, one series per file (or, with
-    --timeline, a run's batch size, tokens in flight, step time, KV blocks and preemptions over time). Needs
-    pip install 'rosecli\\[plot]'."""
+    """Charts of result files: latency against throughput, or a run's step timeline.
+
+    TTFT and TPOT p50/p99 against output throughput, one series per file (or, with --timeline, a run's batch
+    size, tokens in flight, step time, KV blocks and preemptions over time). Needs pip install
+    'rosecli\\[plot]'."""
     from rosecli.bench import plot as plots
     from rosecli.bench import results
 

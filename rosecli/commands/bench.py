@@ -564,7 +564,7 @@ def sweep_serve(
     except ImportError:
         o.fail("rose bench sweep serve needs httpx: pip install 'rosecli[serve]'")
     from rosecli.bench import datasets, http_client, metrics, results, sweep
-    from rosecli.bench.serve import bench_serve, serve_request_records  # noqa: F401
+    from rosecli.bench.serve import bench_serve
     from rosecli.bench.sweep_table import SweepTable
 
     o.check_runs(warmup_runs, repeat_runs)

@@ -178,20 +178,22 @@ def test_environment_capture():
 # --- compare -------------------------------------------------------------------------------
 
 def test_compare_noise_direction_and_percent():
-    base = _stream_doc([100, 104, 102], [0.030, 0.031, 0.032])  # medians 102, 0.031; spreads 4, 0.002
+    # no raw samples: the intervals come from bootstrapping the three repeat runs of each file
+    base = _stream_doc([100, 104, 102], [0.030, 0.031, 0.032])  # medians 102, 0.031
     near = _stream_doc([103, 105, 104], [0.020, 0.021, 0.022])
     slow = _stream_doc([90, 91, 92], [0.0305, 0.0315, 0.0325])
     rows = {r.figure: r for r in compare.compare_results([base, near, slow])}
     tp, ttft = rows["throughput_completion"], rows["ttft_p99"]
     assert tp.base == 102 and tp.higher_is_better and not ttft.higher_is_better
-    # +2 tokens/s is within the spread of 4 between repeat runs
+    # +2 tokens/s: the interval of the change reaches 0
     assert tp.cells[0].verdict == "noise" and tp.cells[0].percent == pytest.approx(100 * 2 / 102)
-    # -11 tokens/s: outside the spread, throughput down is worse
+    # -11 tokens/s: the interval lies below 0, throughput down is worse
     assert tp.cells[1].verdict == "worse" and tp.cells[1].change == -11
     assert tp.cells[1].percent == pytest.approx(-100 * 11 / 102)
     # TTFT p99 0.031 -> 0.021: latency down is better, -32.26 %
     assert ttft.cells[0].verdict == "better" and ttft.cells[0].percent == pytest.approx(-100 * 0.010 / 0.031)
-    assert ttft.cells[1].verdict == "noise"  # +0.0005 s within 0.002
+    assert ttft.cells[1].verdict == "noise"  # +0.0005 s: the interval holds 0
+    assert ttft.cells[1].ci_low < 0 < ttft.cells[1].ci_high and ttft.cells[0].ci_high < 0
     assert list(rows) == ["throughput_completion", "ttft_p99"]
 
 
@@ -264,8 +266,9 @@ def test_compare_report_plain_and_terminal():
     report.print_compare(console, ["a.json", "b.json"], rows, diffs)
     lines = buf.getvalue().splitlines()
     assert "Differs: max_batch_size: 64 | 32" in lines
-    assert "TTFT p99: 31.00 -> 21.00 (-10.00, -32.3%, better) ms" in lines
-    assert "Throughput (completion): 102.00 -> 91.00 (-11.00, -10.8%, worse) tokens/s" in lines
+    # the interval: a bootstrap over the three repeat runs of each file (no raw samples in these)
+    assert "TTFT p99: 31.00 -> 21.00 (-10.00, -32.3%, [-11.33, -8.67], better) ms" in lines
+    assert "Throughput (completion): 102.00 -> 91.00 (-11.00, -10.8%, [-13.00, -9.00], worse) tokens/s" in lines
     term = Console(file=StringIO(), force_terminal=True, width=160)
     report.print_compare(term, ["a.json", "b.json"], rows, diffs)
     assert "better" in term.file.getvalue()

@@ -285,7 +285,7 @@ def summarize_sched_runs(runs: Sequence[SchedRunMetrics]) -> dict[str, tuple[flo
 GOODPUT_NAMES = ("ttft", "tpot", "e2el")
 
 
-def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
+def parse_goodput(items: Optional[Sequence[str]], flag: str = "--goodput") -> dict[str, float]:
     """``["ttft:500 tpot:50", "e2el:2000"]`` -> {"ttft": 0.5, "tpot": 0.05, "e2el": 2.0} (seconds).
     Pairs may be given in one value (space or comma separated) or one per --goodput."""
     from rosecli.engine.errors import ConfigError
@@ -296,14 +296,14 @@ def parse_goodput(items: Optional[Sequence[str]]) -> dict[str, float]:
             name, sep, value = pair.partition(":")
             name = name.strip().lower()
             if not sep or name not in GOODPUT_NAMES:
-                raise ConfigError(f"--goodput takes NAME:MILLISECONDS pairs with NAME one of "
-                                  f"{', '.join(GOODPUT_NAMES)} (e.g. --goodput 'ttft:500 tpot:50'), got {pair!r}")
+                raise ConfigError(f"{flag} takes NAME:MILLISECONDS pairs with NAME one of "
+                                  f"{', '.join(GOODPUT_NAMES)} (e.g. {flag} 'ttft:500 tpot:50'), got {pair!r}")
             try:
                 ms = float(value)
             except ValueError:
                 ms = float("nan")
             if not 0 <= ms < math.inf:
-                raise ConfigError(f"--goodput {name}: the SLO must be a number of milliseconds >= 0, got {value!r}")
+                raise ConfigError(f"{flag} {name}: the SLO must be a number of milliseconds >= 0, got {value!r}")
             out[name] = ms / 1e3
     return out
 

@@ -381,8 +381,22 @@ def _change(row: CompareRow, cell) -> str:
     return f"{_fmt(row.unit, cell.change, signed=True)}{pct}"
 
 
+def _ci(row: CompareRow, cell) -> str:
+    """The change's confidence interval, ``[-1.20, +0.40]`` in the row's unit."""
+    if cell.ci_low is None:
+        return "-"
+    return f"[{_fmt(row.unit, cell.ci_low, signed=True)}, {_fmt(row.unit, cell.ci_high, signed=True)}]"
+
+
+def _compare_note(confidence: float) -> str:
+    return (f"interval: {confidence:.0%} bootstrap interval of the change (per-request figures from the raw "
+            "samples, others from the repeat runs); noise: it contains 0; n/a: no raw samples and one measured "
+            "run, not judged")
+
+
 def print_compare(console: Console, names: Sequence[str], rows: Sequence[CompareRow],
-                  differences: Optional[dict[str, list]] = None, plain: Optional[bool] = None) -> None:
+                  differences: Optional[dict[str, list]] = None, plain: Optional[bool] = None,
+                  confidence: float = 0.95) -> None:
     """``rows`` from `compare.compare_results`; ``names[0]`` is the baseline. ``differences``
     (`compare.config_differences`) are listed first: they make a comparison not like for like."""
     plain = _is_plain(console, plain)
@@ -392,10 +406,9 @@ def print_compare(console: Console, names: Sequence[str], rows: Sequence[Compare
         for k, vals in differences.items():
             _emit(console, f"Differs: {k}: {' | '.join(str(v) for v in vals)}")
         for r in rows:
-            parts = [f"{_fmt(r.unit, c.value)} ({_change(r, c)}, {c.verdict})" for c in r.cells]
+            parts = [f"{_fmt(r.unit, c.value)} ({_change(r, c)}, {_ci(r, c)}, {c.verdict})" for c in r.cells]
             _emit(console, f"{r.label}: {_fmt(r.unit, r.base)} -> {' | '.join(parts)} {r.unit}")
-        _emit(console, "noise: the change is within the spread (max - min) of repeat runs; "
-                       "n/a: one measured run in each file, not judged")
+        _emit(console, _compare_note(confidence))
         return
     if differences:
         diff = Table(title="Not like for like: these differ", title_justify="left")
@@ -412,15 +425,16 @@ def print_compare(console: Console, names: Sequence[str], rows: Sequence[Compare
     for n in names[1:]:
         table.add_column(n, justify="right")
         table.add_column("change", justify="right")
+        table.add_column(f"{confidence:.0%} interval", justify="right")
         table.add_column("", justify="left")
     for r in rows:
         cells = []
         for c in r.cells:
-            cells += [_fmt(r.unit, c.value), _change(r, c), Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, ""))]
+            cells += [_fmt(r.unit, c.value), _change(r, c), _ci(r, c),
+                      Text(c.verdict, style=_VERDICT_STYLE.get(c.verdict, ""))]
         table.add_row(r.label, r.unit, _fmt(r.unit, r.base), *cells)
     console.print(table)
-    console.print(Text("noise: the change is within the spread (max - min) of repeat runs; "
-                       "n/a: one measured run in each file, not judged", style="dim"))
+    console.print(Text(_compare_note(confidence), style="dim"))
 
 
 # --- `bench serve` ------------------------------------------------------------------------------

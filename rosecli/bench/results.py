@@ -11,11 +11,14 @@ Times are seconds, rates tokens/s; a figure that could not be measured is ``null
   ``output_tokens``, ``asked_tokens``, ``success``, ``error_kind``, ``error``,
   ``usage_reported`` and the times ``scheduled``, ``dispatched``, ``start``, ``event_times``
   (each SSE event carrying a choice), relative to the run's start).
+  ``"sweep"`` (`rose bench sweep`: ``points``, each with its own runs, summary and requests, and
+  ``sweep``; see rosecli.bench.sweep).
 - ``command``: the command line that produced it (``rose bench stream ...``).
 - ``config``: every option of the run (engine, workload, sampling), name -> value.
 - ``environment``: ``gpu`` (device name or null), ``gpu_count``, ``cuda`` (torch's CUDA
   version), ``torch``, ``triton``, ``transformers`` (versions or null), ``python``,
-  ``platform``, ``commit`` (``git rev-parse HEAD`` of the rosecli checkout, null when not a
+  ``platform``, with a GPU and NVML (pynvml) also ``gpu_sm_clock_mhz``, ``gpu_mem_clock_mhz``,
+  ``gpu_max_sm_clock_mhz``, ``gpu_temperature_c``, ``gpu_power_limit_w``; ``commit`` (``git rev-parse HEAD`` of the rosecli checkout, null when not a
   git checkout), ``dirty`` (tracked files changed since that commit; null without git),
   ``time`` (UTC, ISO 8601).
 - ``startup``: seconds spent before any run, e.g. ``model_load_s``, ``compile_s``,
@@ -60,7 +63,7 @@ from rosecli.bench.metrics import RequestTiming, RunMetrics, SchedRunMetrics, fl
 from rosecli.engine.errors import ConfigError
 
 SCHEMA = "rosecli.bench/1"
-KINDS = ("stream", "sched", "serve")
+KINDS = ("stream", "sched", "serve", "sweep")  # sweep: `rose bench sweep` (rosecli.bench.sweep)
 _TIMESTAMPS = ("scheduled_submit", "submit", "add_request_done", "tokenized", "admitted", "first_token", "finish")
 
 
@@ -84,6 +87,34 @@ def _checkout() -> tuple[Optional[str], Optional[bool]]:
     return commit, (None if status is None else bool(status))
 
 
+def _nvml() -> dict:
+    """GPU 0's clocks (MHz), temperature (C) and power limit (W) through NVML, when pynvml (or
+    nvidia-ml-py) is installed and answers; {} otherwise. A throttled or hot GPU explains a change."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    out = {}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        reads = {"gpu_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                 "gpu_mem_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                 "gpu_max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                 "gpu_temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+                 "gpu_power_limit_w": lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000}
+        for k, read in reads.items():
+            with contextlib.suppress(Exception):
+                out[k] = read()
+    except Exception:
+        pass
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return out
+
+
 def environment() -> dict:
     """Where the figures were taken. Imports torch (only here) for the GPU and versions."""
     import torch
@@ -92,6 +123,7 @@ def environment() -> dict:
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["gpu_count"] = torch.cuda.device_count()
+        env.update(_nvml())
     try:
         env["triton"] = __import__("triton").__version__
     except Exception:  # absent or broken: the version is unknown, not an error
@@ -158,8 +190,14 @@ def build_result(kind: str, config: dict, startup: dict, runs: list[dict], summa
 def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[dict], summary: Optional[dict] = None,
                 requests: Optional[list] = None, command: Optional[str] = None, env: Optional[dict] = None) -> dict:
     """Write the result document to ``path`` (atomically) and return it."""
-    check_result_path(path)
     doc = build_result(kind, config, startup, runs, summary, requests, command, env)
+    write_document(path, doc)
+    return doc
+
+
+def write_document(path: str, doc: dict) -> None:
+    """Write a result document to ``path`` atomically (ConfigError when it cannot be written)."""
+    check_result_path(path)
     tmp = f"{path}.tmp"
     left = False  # a temporary file of ours that is not moved into place is removed, never left behind
     try:
@@ -174,7 +212,6 @@ def save_result(path: str, kind: str, config: dict, startup: dict, runs: list[di
         if left:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    return doc
 
 
 def check_result_path(path: str) -> None:

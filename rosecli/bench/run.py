@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rosecli.bench import metrics, results
 from rosecli.bench.drivers import run_sched, run_stream
+from rosecli.bench.timeline import StepTimeline
 from rosecli.bench.workload import WorkloadSpec, build_workload
 from rosecli.engine.config import SamplingParams
 from rosecli.engine.streaming import StreamingManager
@@ -30,20 +31,29 @@ def _direct_throughput(engine, manager: StreamingManager, workload, params: Samp
 
 
 def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table,
-                 against_direct: bool = False, goodput: dict | None = None) -> dict:
+                 against_direct: bool = False, goodput: dict | None = None, timeline: bool = False) -> dict:
     """Returns {"runs": [...], "summary": {...}, "requests": [...], "measured": [RunMetrics],
     "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}.
     ``against_direct``: after each run, the same workload through the scheduler directly; its
     throughput is each run's and the summary's ``throughput_direct`` (the manager's overhead is
-    throughput_direct / throughput_completion - 1)."""
+    throughput_direct / throughput_completion - 1). ``timeline``: record each measured run's
+    scheduler steps (`timeline.StepTimeline`); the result's "timelines" holds one per measured run."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     manager = StreamingManager(engine, record_timestamps=True)
-    runs, raw, measured, failures = [], [], [], []
+    runs, raw, measured, failures, timelines = [], [], [], [], []
     try:
         for label, warmup in _labels(warmups, repeats):
             engine.scheduler.reset_prefix_cache()  # every run starts from the same cache state
             table.start_run(label, warmup)
-            run = run_stream(manager, workload, params, table.update)
+            recorder = StepTimeline(engine.scheduler).attach() if timeline and not warmup else None
+            try:
+                run = run_stream(manager, workload, params, table.update)
+            finally:
+                if recorder is not None:
+                    recorder.detach()
+            if recorder is not None:
+                recorder.t0 = run.wall_start
+                timelines.append(recorder.columns())
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
             if goodput:  # --goodput: the requests meeting every SLO, as vLLM (metrics.meets_slo)
                 m.goodput_requests, m.goodput_share = metrics.stream_goodput(run.timings, goodput, m.wall_s,
@@ -64,7 +74,8 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
         summary["throughput_direct"] = metrics.percentile(
             [r["figures"]["throughput_direct"] for r in runs if not r["warmup"]], 50)
     return {"runs": runs, "summary": summary, "requests": raw, "measured": measured,
-            "failures": failures, "submitted": spec.num_requests * repeats}
+            "failures": failures, "submitted": spec.num_requests * repeats,
+            "timelines": timelines if timeline else None}
 
 
 def bench_sched(engine, spec: WorkloadSpec, params: SamplingParams, mode: str, warmups: int, repeats: int,

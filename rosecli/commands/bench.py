@@ -28,6 +28,9 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
 SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
                                                    "(schema rosecli.bench/1).")]
+Timeline = Annotated[bool, typer.Option("--timeline", help="Record every scheduler step of the measured runs "
+                                        "(batch size, tokens in flight, step time, KV blocks used, preemptions) "
+                                        "into the result file; nothing is recorded without it.")]
 AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After each run, drive the same workload "
                                               "through the scheduler directly (as bench sched --mode offline, in "
                                               "this process) and report the streaming manager's throughput "
@@ -128,7 +131,8 @@ def _config_dict(config, spec, params, **extra) -> dict:
 @o.with_options(o.engine_options(), o.workload_options(), o.sampling_options(exclude=("stop",)))
 def stream(
     config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, save_result: SaveResult = None,
-    against_direct: AgainstDirect = False, goodput: Goodput = None, *, warmup_runs: int, repeat_runs: int,
+    against_direct: AgainstDirect = False, goodput: Goodput = None, timeline: Timeline = False, *,
+    warmup_runs: int, repeat_runs: int,
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
@@ -159,15 +163,23 @@ def stream(
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "stream", "streaming benchmark") as table:
             out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, against_direct,
-                               goodput=slo or None)
+                               goodput=slo or None, timeline=timeline)
         report.print_stream_summary(console, out["measured"], out["summary"])
         if against_direct and (line := report.against_direct_line(out["summary"])):
             console.print(line, highlight=False)
         if slo:
             report.print_goodput(console, out["summary"], slo)
+        if timeline:
+            from rosecli.bench.timeline import summary_line
+
+            for i, tl in enumerate(out["timelines"]):
+                console.print(f"run {i + 1}: {summary_line(tl)}", highlight=False, markup=False, soft_wrap=True)
         if save_result is not None:
-            results.save_result(save_result, "stream", _config_dict(config, spec, params), engine.startup_times,
-                                out["runs"], out["summary"], out["requests"])
+            doc = results.build_result("stream", _config_dict(config, spec, params), engine.startup_times,
+                                       out["runs"], out["summary"], out["requests"])
+            if timeline:  # one column set per measured run (rosecli.bench.timeline)
+                doc["timelines"] = results._finite(out["timelines"])
+            results.write_document(save_result, doc)
             console.print(f"saved {save_result}", highlight=False)
         report_failures(console, out["failures"], out["submitted"])
     finally:
@@ -211,18 +223,40 @@ def sched(
 
 @o.user_errors
 def compare(files: Annotated[list[str], typer.Argument(help="Result files from --save-result; the first is the "
-                                                       "baseline.")]) -> None:
-    """Compare saved results figure by figure; changes within the spread of repeat runs are marked noise."""
+                                                       "baseline.")],
+            percentiles: Annotated[Optional[str], typer.Option("--percentiles", help="Comma-separated percentiles "
+                                                               "of each per-request figure to compare (from the raw "
+                                                               "samples), e.g. 50,90,99.")] = None,
+            confidence: Annotated[float, typer.Option("--confidence", help="Confidence of the intervals.")] = 0.95,
+            ) -> None:
+    """Compare saved results figure by figure, with a bootstrap confidence interval of each change: noise when the
+    interval contains zero, else better or worse. Environment and option differences are listed first."""
     from rosecli.bench import compare as cmp
     from rosecli.bench import report, results
 
     if len(files) < 2:
         raise ConfigError("give at least two result files: the baseline first")
+    pcts = None
+    if percentiles is not None:
+        from rosecli.bench.metrics import parse_percentiles
+
+        with o.flag_names():
+            pcts = parse_percentiles(percentiles)
     docs = [results.load_result(f) for f in files]
     kinds = {d["kind"] for d in docs}
     if not cmp.comparable(kinds):
         raise ConfigError(f"cannot compare results of different benchmarks ({', '.join(sorted(kinds))})")
-    report.print_compare(Console(), files, cmp.compare_results(docs), cmp.config_differences(docs))
+    console = Console()
+    if kinds == {"sweep"}:  # point by point, the points every file has
+        differences = cmp.config_differences(docs)
+        for label, point_docs in cmp.sweep_point_docs(docs):
+            console.print(f"=== point {label} ===", highlight=False, markup=False)
+            report.print_compare(console, files, cmp.compare_results(point_docs, pcts, confidence), differences,
+                                 confidence=confidence)
+            differences = {}  # listed once, before the first point
+        return
+    report.print_compare(console, files, cmp.compare_results(docs, pcts, confidence), cmp.config_differences(docs),
+                         confidence=confidence)
 
 
 stream.__doc__ = f"{stream.__doc__}\n\n{FIGURES_HELP}"
@@ -340,3 +374,299 @@ def serve(
 
 
 serve.__doc__ = f"{serve.__doc__}\n\n{SERVE_FIGURES_HELP}"
+
+
+# --- `rose bench sweep stream|serve`, `rose bench plot`: curves over load, the SLO search, charts --
+
+SWEEP = "Sweep"
+RequestRates = Annotated[Optional[str], typer.Option("--request-rates", "--request-rate", help="Comma-separated "
+                                                     "request rates, one point each, e.g. 1,2,4,8,inf (inf: all at "
+                                                     "once; Poisson arrivals).", rich_help_panel=SWEEP)]
+ConcurrencyGrid = Annotated[Optional[str], typer.Option("--max-concurrency", help="Comma-separated client-side "
+                                                        "limits of requests in flight, one point each, e.g. "
+                                                        "1,8,32,64.", rich_help_panel=SWEEP)]
+BatchGrid = Annotated[Optional[str], typer.Option("--max-batch-size", help="Comma-separated decode batch limits, "
+                                                  "one point each (the engine is rebuilt for each).",
+                                                  rich_help_panel=SWEEP)]
+InputLenGrid = Annotated[Optional[str], typer.Option("--input-len", help="Comma-separated prompt lengths (random "
+                                                     "tokens), one point each.", rich_help_panel=SWEEP)]
+OutputLenGrid = Annotated[Optional[str], typer.Option("--output-len", help="Comma-separated output lengths, one "
+                                                      "point each.", rich_help_panel=SWEEP)]
+Slo = Annotated[Optional[list[str]], typer.Option("--slo", help="Search for the highest load meeting these SLOs in "
+                                                  "ms, e.g. --slo 'ttft:200 tpot:20' (any of ttft, tpot, e2el): "
+                                                  "bisection over --request-rates (or --max-concurrency), starting "
+                                                  "from the values given.", rich_help_panel=SWEEP)]
+GoodputTarget = Annotated[float, typer.Option("--goodput-target", help="With --slo: the share of requests that "
+                                              "must meet every SLO.", rich_help_panel=SWEEP)]
+SloSteps = Annotated[int, typer.Option("--slo-steps", help="With --slo: most bisection steps after the first "
+                                       "miss.", max=20, rich_help_panel=SWEEP)]
+PlotPng = Annotated[Optional[str], typer.Option("--plot", help="Also draw the curves to this PNG (matplotlib: "
+                                                "pip install 'rosecli\\[plot]').", rich_help_panel=SWEEP)]
+
+
+def _sweep_axes(mode: str, **grids) -> dict:
+    from rosecli.bench import sweep
+
+    return {name: sweep.parse_axis(name, text) for name, text in grids.items()}
+
+
+def _search_plan(axes: dict, slo: dict, goodput_target: float, slo_steps: int):
+    """(axis, start values, fixed params) of the SLO search, or None without --slo."""
+    if not slo:
+        return None
+    if not 0 < goodput_target <= 1:
+        raise ConfigError(f"--goodput-target must be in (0, 1], e.g. 0.99, got {goodput_target}")
+    if slo_steps < 0:
+        raise ConfigError(f"--slo-steps must be >= 0, got {slo_steps}")
+    rates, conc = axes.get("request_rate") or [], axes.get("max_concurrency") or []
+    if len(rates) > 1 and len(conc) > 1:
+        raise ConfigError("--slo searches one axis: give several --request-rates or several --max-concurrency "
+                          "values, not both")
+    axis = "max_concurrency" if len(conc) > 1 or (conc and not rates) else "request_rate"
+    if not axes.get(axis):
+        raise ConfigError("--slo needs the loads to start from: pass --request-rates (e.g. 1,4,16) or "
+                          "--max-concurrency (e.g. 1,8,32)")
+    others = [n for n, v in axes.items() if n != axis and len(v) > 1]
+    if others:
+        raise ConfigError(f"--slo searches {axis.replace('_', ' ')} with everything else fixed: give "
+                          f"{', '.join(sorted(others))} one value")
+    fixed = {n: v[0] for n, v in axes.items() if n != axis and v}
+    return axis, axes[axis], fixed
+
+
+def _check_plot_libs(plot: Optional[str], console: Console) -> None:
+    """Before a sweep runs: --plot needs matplotlib (refused now, not after the sweep)."""
+    from rosecli.bench import plot as plots
+
+    if plot is not None:
+        plots._check_png_path(plot)
+        plots.require("matplotlib")
+
+
+def _finish_sweep(console: Console, doc: dict, points, search, slo, save_result, plot, paths_name: str) -> None:
+    from rosecli.bench import plot as plots
+    from rosecli.bench import sweep
+
+    if search is not None:
+        console.print(sweep.search_line(search, slo, points), highlight=False, markup=False, soft_wrap=True)
+    for p in points:
+        for i, tl in enumerate(p.timelines or []):
+            from rosecli.bench.timeline import summary_line
+
+            console.print(f"{p.label} run {i + 1}: {summary_line(tl)}", highlight=False, markup=False, soft_wrap=True)
+    if save_result is not None:
+        sweep.save_sweep_result(save_result, doc)
+        console.print(f"saved {save_result}", highlight=False)
+    series = [plots.series_of(doc, paths_name)]
+    if plot is not None:
+        plots.write_png(series, plot)
+        console.print(f"wrote {plot}", highlight=False)
+    if console.is_terminal and len(points) > 1:  # in a pipe: the plain lines above, no chart
+        try:
+            console.print(plots.terminal_chart(series, width=min(console.width, 120), color=False),
+                          highlight=False, markup=False)
+        except ConfigError:
+            console.print("(charts: pip install 'rosecli[plot]')", style="dim", markup=False)
+
+
+@o.user_errors
+@o.with_options(o.engine_options(exclude=("max_batch_size",)),
+                o.workload_options(exclude=("request_rate", "input_len", "output_len")),
+                o.sampling_options(exclude=("stop",)))
+def sweep_stream(
+    config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, request_rates: RequestRates = None,
+    max_batch_size: BatchGrid = None, input_len: InputLenGrid = None, output_len: OutputLenGrid = None,
+    slo: Slo = None, goodput_target: GoodputTarget = 0.99, slo_steps: SloSteps = 4, plot: PlotPng = None,
+    save_result: SaveResult = None, timeline: Timeline = False, *, warmup_runs: int, repeat_runs: int,
+) -> None:
+    """Sweep a bench stream workload (in process) over request rates, batch limits or lengths; --slo finds the
+    highest rate meeting SLOs."""
+    from rosecli.bench import metrics, results, sweep
+    from rosecli.bench.run import bench_stream
+    from rosecli.bench.sweep_table import SweepTable
+
+    o.check_runs(warmup_runs, repeat_runs)
+    if save_result is not None:
+        results.check_result_path(save_result)
+    # the batch limit outermost: the engine is rebuilt only when it changes
+    axes = _sweep_axes("stream", max_batch_size=max_batch_size, request_rate=request_rates, input_len=input_len,
+                       output_len=output_len)
+    slo_s = metrics.parse_goodput(slo, flag="--slo")
+    plan = _search_plan(axes, slo_s, goodput_target, slo_steps)
+    grid = sweep.grid(axes, "stream") if plan is None else None
+    console, err = Console(), Console(stderr=True)
+    _check_plot_libs(plot, console)
+    engines: dict = {}
+    startup: dict = {}
+
+    def engine_for(batch):
+        if batch not in engines:
+            for e in engines.values():
+                e.close()
+            engines.clear()
+            cfg = config if batch is None else dataclasses.replace(config, max_batch_size=batch)
+            engines[batch] = _start(cfg, err)
+            startup.update(engines[batch].startup_times)
+        return engines[batch]
+
+    def run_point(p: dict) -> sweep.Point:
+        engine = engine_for(p.get("max_batch_size"))
+        pspec = dataclasses.replace(spec, **{k: v for k, v in p.items() if k in ("request_rate", "input_len",
+                                                                                 "output_len")})
+        out = bench_stream(engine, pspec, params, warmup_runs, repeat_runs, table, goodput=slo_s or None,
+                           timeline=timeline)
+        # requests/s, as bench serve reports it: the load axis of a sweep (completed requests / wall)
+        measured_runs = [r for r in out["runs"] if not r["warmup"]]
+        for r, m in zip(measured_runs, out["measured"]):
+            r["figures"]["throughput_requests"] = m.requests / m.wall_s if m.wall_s > 0 else float("nan")
+        out["summary"]["throughput_requests"] = metrics.median_figures(
+            [r["figures"] for r in measured_runs])["throughput_requests"]
+        return sweep.Point(p, out["runs"], out["summary"], out["requests"], out["timelines"], out["measured"],
+                           out["failures"], out["submitted"])
+
+    console.print("=== sweep: streaming benchmark ===", highlight=False)
+    search = None
+    try:
+        with SweepTable(console, "sweep (bench stream)") as table:
+            if plan is None:
+                points = sweep.run_grid(grid, run_point, table)
+            else:
+                points, search = sweep.run_search(plan[0], plan[2], plan[1], run_point, table, goodput_target,
+                                                  slo_steps)
+    finally:
+        for e in engines.values():
+            e.close()
+    cfg = _config_dict(config, spec, params, warmup_runs=warmup_runs, repeat_runs=repeat_runs)
+    doc = sweep.build_sweep_result("stream", cfg, startup, axes, points, slo_s or None,
+                                   goodput_target if slo_s else None, search)
+    _finish_sweep(console, doc, points, search, slo_s, save_result, plot, "stream")
+    report_failures(console, [f for p in points for f in p.failures], sum(p.submitted for p in points),
+                    runs="measured runs of the sweep")
+
+
+@o.user_errors
+def sweep_serve(
+    base_url: BaseUrl = "http://127.0.0.1:8000", endpoint: Endpoint = "/v1/completions", model: ServeModel = None,
+    api_key: ApiKey = None, request_timeout: RequestTimeout = 600.0, tokenizer: Tokenizer = None,
+    dataset: Dataset = "random", dataset_path: DatasetPath = None, num_prompts: NumPrompts = 16,
+    input_len: InputLenGrid = None, output_len: OutputLenGrid = None, range_ratio: RangeRatio = 0.0,
+    prefix_groups: PrefixGroups = 4, prefix_len: PrefixLen = 256, request_rates: RequestRates = None,
+    burstiness: Burstiness = 1.0, max_concurrency: ConcurrencyGrid = None, seed: ServeSeed = 0,
+    warmup_runs: WarmupRuns = 0, repeat_runs: RepeatRuns = 1, temperature: Temperature = None,
+    stop_on_eos: StopOnEos = False, metric_percentiles: MetricPercentiles = "50,95,99", slo: Slo = None,
+    goodput_target: GoodputTarget = 0.99, slo_steps: SloSteps = 4, plot: PlotPng = None,
+    save_result: SaveResult = None,
+) -> None:
+    """Sweep a bench serve workload (HTTP, any OpenAI-compatible server) over request rates, concurrency or
+    lengths; --slo finds the highest load meeting SLOs."""
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        o.fail("rose bench sweep serve needs httpx: pip install 'rosecli[serve]'")
+    from rosecli.bench import datasets, http_client, metrics, results, sweep
+    from rosecli.bench.serve import bench_serve
+    from rosecli.bench.sweep_table import SweepTable
+
+    o.check_runs(warmup_runs, repeat_runs)
+    if save_result is not None:
+        results.check_result_path(save_result)
+    if not 0 < request_timeout < float("inf"):
+        raise ConfigError(f"--request-timeout must be a positive number of seconds, got {request_timeout}")
+    if not endpoint.startswith("/"):
+        raise ConfigError(f"--endpoint must be a path such as /v1/completions, got {endpoint!r}")
+    axes = _sweep_axes("serve", request_rate=request_rates, max_concurrency=max_concurrency, input_len=input_len,
+                       output_len=output_len)
+    percentiles = metrics.parse_percentiles(metric_percentiles)
+    if 99.0 not in percentiles:  # the charts and the search line read p99
+        percentiles = (*percentiles, 99.0)
+    slo_s = metrics.parse_goodput(slo, flag="--slo")
+    plan = _search_plan(axes, slo_s, goodput_target, slo_steps)
+    grid = sweep.grid(axes, "serve") if plan is None else None
+    console = Console()
+    _check_plot_libs(plot, console)
+    sampling = {"temperature": 0.0 if temperature is None else temperature}
+    target = http_client.Target(http_client.normalize_base_url(base_url), endpoint, model, api_key, request_timeout,
+                                ignore_eos=not stop_on_eos, extra_body=sampling)
+    http_client.check_server(target)
+    tok = _serve_tokenizer(tokenizer, target.chat or dataset == "sharegpt", console)
+    cache: dict = {}
+
+    def run_point(p: dict) -> sweep.Point:
+        ilen = p.get("input_len", 128)
+        olen = p.get("output_len", 128 if dataset != "sharegpt" else None)
+        if (ilen, olen) not in cache:
+            spec = datasets.ServeDataset(dataset, dataset_path, num_prompts, ilen, olen, range_ratio, prefix_groups,
+                                         prefix_len, seed)
+            cache[(ilen, olen)] = datasets.build_requests(spec, tok, target.chat)
+        rate = p.get("request_rate")
+        offsets = datasets.arrival_offsets(num_prompts, rate, burstiness, seed)
+        conc = p.get("max_concurrency")
+        out = bench_serve(target, cache[(ilen, olen)], offsets, warmup_runs, repeat_runs, table, max_concurrency=conc,
+                          percentiles=percentiles, goodput=slo_s or None, request_rate=rate)
+        return sweep.Point(p, out["runs"], out["summary"], out["requests"], None, out["measured"], out["failures"],
+                           out["submitted"])
+
+    console.print("=== sweep: serving benchmark (HTTP) ===", highlight=False)
+    console.print(f"Base URL: {target.base_url}\nEndpoint: {endpoint}\nModel: {target.model}\nRequests per run: "
+                  f"{num_prompts}", highlight=False, markup=False)
+    search = None
+    with SweepTable(console, "sweep (bench serve)") as table:
+        if plan is None:
+            points = sweep.run_grid(grid, run_point, table)
+        else:
+            points, search = sweep.run_search(plan[0], plan[2], plan[1], run_point, table, goodput_target, slo_steps)
+    cfg = {"base_url": target.base_url, "endpoint": endpoint, "model": target.model, "dataset": dataset,
+           "dataset_path": dataset_path, "num_requests": num_prompts, "range_ratio": range_ratio,
+           "prefix_groups": prefix_groups, "prefix_len": prefix_len, "burstiness": burstiness, "seed": seed,
+           "warmup_runs": warmup_runs, "repeat_runs": repeat_runs, "temperature": sampling["temperature"],
+           "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles), "tokenizer": tokenizer}
+    doc = sweep.build_sweep_result("serve", cfg, {}, axes, points, slo_s or None, goodput_target if slo_s else None,
+                                   search)
+    _finish_sweep(console, doc, points, search, slo_s, save_result, plot, "serve")
+    report_failures(console, [f for p in points for f in p.failures], sum(p.submitted for p in points),
+                    runs="measured runs of the sweep")
+
+
+@o.user_errors
+def plot(
+    files: Annotated[list[str], typer.Argument(help="Result files (sweeps or single runs); each is one series.")],
+    png: Annotated[Optional[str], typer.Option("--plot", help="Also write the chart to this PNG (matplotlib).")] = None,
+    timeline: Annotated[bool, typer.Option("--timeline", help="Chart the step timelines recorded with --timeline "
+                                           "instead of latency against throughput.")] = False,
+    width: Annotated[Optional[int], typer.Option("--width", help="Columns of the terminal chart (default: the "
+                                                 "terminal's, at most 120).", min=40, max=1000)] = None,
+) -> None:
+    """Charts of result files: latency against throughput, or a run's step timeline.
+
+    TTFT and TPOT p50/p99 against output throughput, one series per file (or, with --timeline, a run's batch
+    size, tokens in flight, step time, KV blocks and preemptions over time). Needs pip install
+    'rosecli\\[plot]'."""
+    from rosecli.bench import plot as plots
+    from rosecli.bench import results
+
+    docs = [results.load_result(f) for f in files]
+    plots.require("plotext")
+    console = Console()
+    cols = width or min(console.width, 120)
+    if timeline:
+        tls = [(f"{n} {name}", tl) for n, d in zip(plots.series_names(files), docs) for name, tl in plots.timelines_of(d)]
+        if not tls:
+            raise ConfigError("no timeline in these files: record one with rose bench stream --timeline (or bench "
+                              "sweep stream --timeline)")
+        for name, tl in tls:
+            console.print(f"=== timeline: {name} ===", highlight=False, markup=False)
+            console.print(plots.timeline_chart(tl, width=cols, color=console.is_terminal), highlight=False,
+                          markup=False)
+        if png is not None:
+            plots.write_timeline_png(tls, png)
+            console.print(f"wrote {png}", highlight=False)
+        return
+    series = [plots.series_of(d, n) for d, n in zip(docs, plots.series_names(files))]
+    if not any(s.x for s in series):
+        raise ConfigError("no figures to plot in these files (they hold no throughput): pass bench stream, serve "
+                          "or sweep results")
+    console.print(plots.terminal_chart(series, width=cols, color=console.is_terminal), highlight=False,
+                  markup=False)
+    if png is not None:
+        plots.write_png(series, png)
+        console.print(f"wrote {png}", highlight=False)

@@ -52,3 +52,10 @@ bench_app.command("stream")(bench.stream)
 bench_app.command("sched")(bench.sched)
 bench_app.command("compare")(bench.compare)
 bench_app.command("serve")(bench.serve)
+sweep_app = typer.Typer(help="Curves over load: one bench stream or bench serve workload at several request rates, "
+                        "concurrencies, batch limits or lengths; --slo finds the highest load meeting SLOs.",
+                        no_args_is_help=True)
+bench_app.add_typer(sweep_app, name="sweep")
+sweep_app.command("stream")(bench.sweep_stream)
+sweep_app.command("serve")(bench.sweep_serve)
+bench_app.command("plot")(bench.plot)

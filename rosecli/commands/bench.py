@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rosecli.bench.workload import WorkloadSpec
 from rosecli.commands import options as o
-from rosecli.commands.progress import startup_progress
+from rosecli.commands.progress import start_engine
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 
@@ -32,8 +32,9 @@ AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After eac
                                               "through the scheduler directly (as bench sched --mode offline, in "
                                               "this process) and report the streaming manager's throughput "
                                               "overhead against it. Needs every request at once.")]
-Mode = Annotated[str, typer.Option("--mode", help="offline: run all requests to completion; online: also "
-                                   "timestamp each request's submit, first token and finish.")]
+Mode = Annotated[str, typer.Option("--mode", metavar="offline|online", help="offline: run all requests to "
+                                   "completion; online: also timestamp each request's submit, first token and "
+                                   "finish.")]
 SERVE = "Server"
 BaseUrl = Annotated[str, typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (rose serve-local, "
                                       "vllm serve, sglang, llama-server, ...).", rich_help_panel=SERVE)]
@@ -93,10 +94,7 @@ StopOnEos = o.SAMPLING_OPTIONS["stop_on_eos"].annotation()
 
 
 def _start(config, console_err: Console):
-    from rosecli.engine.llm import LLMEngine
-
-    with startup_progress(console_err) as progress:
-        return LLMEngine(config, progress=progress)
+    return start_engine(config, console_err)
 
 
 def _header(engine, spec, config) -> dict:
@@ -132,9 +130,7 @@ def stream(
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
-    from rosecli.bench.run import bench_stream
 
-    o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
     if against_direct and (spec.request_rate is not None or spec.submit_interval_ms > 0):
@@ -143,6 +139,8 @@ def stream(
     from rosecli.bench.metrics import parse_goodput
 
     slo = parse_goodput(goodput)
+    from rosecli.bench.run import bench_stream  # the engine's modules: after the cheap checks
+
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
@@ -183,13 +181,13 @@ def sched(
 ) -> None:
     """Scheduler benchmark, driving the scheduler directly: decode and total time, throughput."""
     from rosecli.bench import report, results
-    from rosecli.bench.run import bench_sched
 
-    o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
     if mode not in ("offline", "online"):
         raise ConfigError(f"--mode must be offline or online, got {mode!r}")
+    from rosecli.bench.run import bench_sched  # the engine's modules: after the cheap checks
+
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:

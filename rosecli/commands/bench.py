@@ -25,7 +25,7 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
                 "linearly between closest ranks. The summary is the median over measured runs; start-up is "
                 "reported on its own, never inside a run.")
 
-SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
+SaveResult = Annotated[Optional[str], typer.Option("--save-result", metavar="FILE", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
                                                    "(schema rosecli.bench/1).")]
 AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After each run, drive the same workload "
@@ -49,7 +49,7 @@ RequestTimeout = Annotated[float, typer.Option("--request-timeout", help="Second
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer (local directory or hub id) that "
                                                   "counts ShareGPT tokens and turns random ids into chat text "
                                                   "(default: SmolLM2's, bundled).", rich_help_panel=o.WORKLOAD)]
-Dataset = Annotated[str, typer.Option("--dataset", help="random | sharegpt (--dataset-path FILE.json) | prefix "
+Dataset = Annotated[str, typer.Option("--dataset", metavar="random|sharegpt|prefix", help="random | sharegpt (--dataset-path FILE.json) | prefix "
                                       "(--prefix-groups groups sharing a --prefix-len token prefix).",
                                       rich_help_panel=o.WORKLOAD)]
 DatasetPath = Annotated[Optional[str], typer.Option("--dataset-path", help="A ShareGPT-format JSON file (read "
@@ -208,7 +208,7 @@ def sched(
 
 
 @o.user_errors
-def compare(files: Annotated[list[str], typer.Argument(help="Result files from --save-result; the first is the "
+def compare(files: Annotated[list[str], typer.Argument(metavar="FILE", help="Result files from --save-result; the first is the "
                                                        "baseline.")]) -> None:
     """Compare saved results figure by figure; changes within the spread of repeat runs are marked noise."""
     from rosecli.bench import compare as cmp

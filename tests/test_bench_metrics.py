@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from io import StringIO
 
 import pytest
@@ -281,4 +282,4 @@ def test_live_table_in_a_terminal():
         table.start_run("run 1/1", warmup=False)
         table.update(2, 3, 10, 0.05)
         table.finish_run("run 1/1", m)
-    assert "19.00/19.98" in term.file.getvalue()
+    assert re.search(r"19\.00/\d+\.\d\d/19\.98", term.file.getvalue())  # p50/p95/p99 where they fit

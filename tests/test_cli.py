@@ -23,7 +23,7 @@ def test_help_lists_every_command():
 
 def test_generate_help_documents_chat_default():
     out = runner.invoke(app, ["generate", "--help"], terminal_width=200).output
-    assert "--chat" in out and "instruct" in out and "--max-new-tokens" in out
+    assert "--[no-]chat" in out and "instruct" in out and "--max-new-tokens" in out
 
 
 def test_generate_streams_on_a_dummy_model(cache_dir):

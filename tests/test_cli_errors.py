@@ -181,7 +181,7 @@ def test_bad_values_are_one_line_naming_the_flag(cache_dir, command, args, needl
 
 
 def test_missing_prompt_is_one_line():
-    _one_line_error(runner.invoke(app, ["generate"]), "Missing argument", "rose generate --help")
+    _one_line_error(runner.invoke(app, ["generate"]), "give a prompt", "-p FILE", "- to read stdin")
 
 
 def test_torch_trace_that_is_a_file(cache_dir, tmp_path):

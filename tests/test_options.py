@@ -97,7 +97,8 @@ def test_help_shows_each_option_in_its_panel():
         for p in COMMANDS[command].params:
             table = next((t for t in (o.ENGINE_OPTIONS, o.SAMPLING_OPTIONS, o.WORKLOAD_OPTIONS) if p.name in t), None)
             if table is not None:
-                assert p.rich_help_panel == table[p.name].panel and p.help == table[p.name].help, (command, p.name)
+                assert p.rich_help_panel == table[p.name].panel and p.help == table[p.name].full_help, (command, p.name)
+                assert (p.rich_help_panel == o.CUDA) == p.help.startswith("(CUDA) "), (command, p.name)
 
 
 def test_with_options_builds_the_configs_from_the_flags(tmp_path, monkeypatch):

@@ -86,6 +86,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
     recv: dict[int, list[float]] = {}
     outputs = {}
     finished = tokens = 0
+    tokens_before = manager.generated_tokens  # the live count: tokens as the engine makes them
     next_progress = start
     while finished < n:
         try:
@@ -105,7 +106,7 @@ def run_stream(manager: StreamingManager, workload: Workload, params: SamplingPa
             else:
                 recv.setdefault(rid, []).append(now)
         if progress and now >= next_progress:
-            progress(finished, n, tokens, now - start)
+            progress(finished, n, max(tokens, manager.generated_tokens - tokens_before), now - start)
             next_progress = now + progress_every_s
     wall_end = time.perf_counter()
     thread.join()

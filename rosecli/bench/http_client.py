@@ -280,8 +280,10 @@ async def run_serve(pool: ClientPool, target: Target, requests: list[ServeReques
 
     async def report() -> None:
         while not stop.is_set():
-            done = [t for t in timings if t.success or t.error_kind]
-            progress(len(done), n, sum(t.output_tokens for t in done), time.perf_counter() - start)
+            # ended requests: their usage's count; the others: one token per choice event so far (live)
+            done = sum(1 for t in timings if t.success or t.error_kind)
+            tokens = sum(t.output_tokens if (t.success or t.error_kind) else len(t.event_times) for t in timings)
+            progress(done, n, tokens, time.perf_counter() - start)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), progress_every_s)
 

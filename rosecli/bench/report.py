@@ -35,10 +35,12 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
+from rich import box
 from rich.console import Console
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -158,7 +160,14 @@ def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
 
 class RunTable:
     """Rows of runs: a live Rich table in a terminal, plain post-format lines otherwise
-    (or with ``plain=True``). A context manager; ``kind`` is "stream" or "sched"."""
+    (or with ``plain=True``). A context manager; ``kind`` is "stream", "sched" or "serve".
+
+    The live table fits the console: percentiles as ``p50/p95/p99`` in one line per run where
+    that fits, else ``p50/p99``, else two lines per run (p50 over p99); the plain lines and the
+    result file always hold every figure. The run in progress shows, below the table, requests
+    done, tokens generated so far (counted as they stream) and tokens/s."""
+
+    LAYOUTS = ("p50/p95/p99", "p50/p99", "two-line")  # sched and serve: p50 and p99 (top) in the first two
 
     def __init__(self, console: Console, kind: str, title: str = "", plain: Optional[bool] = None,
                  refresh_s: float = 0.25):
@@ -176,36 +185,39 @@ class RunTable:
 
     def __enter__(self) -> "RunTable":
         if not self.plain:
-            self._live = Live(self._render(), console=self.console, auto_refresh=False, transient=False)
+            self._live = Live(self.render(), console=self.console, auto_refresh=False, transient=False)
             self._live.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool:
         if self._live is not None:
             self.progress = ""
-            self._live.update(self._render(), refresh=True)
+            self._live.update(self.render(), refresh=True)
             self._live.__exit__(*exc)
             self._live = None
         return False
 
     def start_run(self, label: str, warmup: bool) -> None:
         self.rows.append([label, bool(warmup), None])
-        self.progress = "starting"
+        self.progress = f"{label}: starting"
         if self.plain:
             _emit(self.console, f"=== {label} ===")
         else:
             self._draw(force=True)
 
     def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
-        """Progress of the run in progress: requests finished of total, output tokens so far,
-        seconds since the run started. Cheap to call often; redraws at most every refresh_s."""
+        """Progress of the run in progress: requests finished of total, output tokens so far
+        (counted as they are generated), seconds since the run started. Cheap to call often;
+        redraws at most every refresh_s."""
         if self.plain:
             return
         now = time.perf_counter()
         if now < self._next_draw:
             return
         rate = tokens / elapsed if elapsed > 0 else 0.0
-        self.progress = f"{finished}/{total} done, {tokens} tokens, {rate:,.0f} tok/s, {elapsed:.1f} s"
+        label = self.rows[-1][0] if self.rows else "run"
+        self.progress = (f"{label}: {finished}/{total} requests done, {tokens:,} tokens, {rate:,.0f} tok/s, "
+                         f"{elapsed:.1f} s")
         self._draw(force=True, now=now)
 
     def finish_run(self, label: Union[str, RunMetrics, SchedRunMetrics],
@@ -234,37 +246,66 @@ class RunTable:
             return
         now = time.perf_counter() if now is None else now
         if force or now >= self._next_draw:
-            self._live.update(self._render(), refresh=True)
+            self._live.update(self.render(), refresh=True)
             self._next_draw = now + self.refresh_s
 
-    def _render(self) -> Table:
-        table = Table(title=self.title or None, title_justify="left")
+    def render(self, width: Optional[int] = None) -> Table:
+        """The table in the first layout whose natural width fits ``width`` (default: the console's)."""
+        width = self.console.width if width is None else width
+        options = self.console.options.update_width(10_000)  # the natural width, not clamped to the console
+        for layout in self.LAYOUTS:
+            table = self._render(layout)
+            if Measurement.get(self.console, options, table).maximum <= width:
+                return table
+        return table
+
+    def _columns(self, layout: str) -> list[tuple[str, Callable]]:
+        """(header, cell(metrics) -> str) for this kind in ``layout``."""
+        if self.kind == "stream":
+            get, qs = (lambda m, k, q: getattr(m.dists[k], q)), ("p50", "p95", "p99")
+        elif self.kind == "serve":  # its percentiles are --metric-percentiles: p50 and the highest asked
+            top = next((pct_key(max(m.percentiles)) for _, _, m in self.rows if m is not None), "p99")
+            get, qs = (lambda m, k, q: _p(m.dists[k], q)), ("p50", top)
+        else:  # sched runs keep p50 and p99
+            get, qs = (lambda m, k, q: getattr(m, f"{k}_{q}")), ("p50", "p99")
+        if layout != "p50/p95/p99":
+            qs = (qs[0], qs[-1])
+        two = layout == "two-line"
+
+        def dist(name: str, key: str) -> tuple[str, Callable]:
+            if two:
+                return f"{name} ms\n{qs[0]}\n{qs[1]}", lambda m: "\n".join(_ms(get(m, key, q)) for q in qs)
+            return f"{name} {'/'.join(qs)} ms", lambda m: "/".join(_ms(get(m, key, q)) for q in qs)
+
+        if self.kind == "stream":
+            return [("tok/s" if two else "tok/s (compl)", lambda m: f"{m.throughput_completion:,.0f}"),
+                    *[dist(n, k) for n, k in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"),
+                                              ("Latency", "latency"))]]
         if self.kind == "serve":
-            cols = SERVE_COLUMNS
-        elif self.kind == "stream":
-            cols = ["run", "status", "tok/s (compl)", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms",
-                    "Latency p50/p99 ms"]
-        else:
-            cols = ["run", "status", "decode s", "total s", "tok/s (compl,decode)", "tok/s (compl,total)",
-                    "TTFT p50 ms", "TPOT p50 ms"]
-        for c in cols:
-            table.add_column(c, justify="left" if c in ("run", "status") else "right")
+            return [("ok/failed", lambda m: f"{m.completed}/{m.failed}"),
+                    ("req/s", lambda m: f"{m.throughput_requests:,.2f}"),
+                    ("tok/s" if two else "tok/s (out)", lambda m: f"{m.throughput_completion:,.0f}"),
+                    *[dist(n, k) for n, k in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"),
+                                              ("E2EL", "latency"))]]
+        return [("decode s", lambda m: f"{m.decode_s:.3f}"), ("total s", lambda m: f"{m.total_s:.3f}"),
+                ("tok/s\ndecode" if two else "tok/s (compl,decode)", lambda m: f"{m.throughput_decode:,.0f}"),
+                ("tok/s\ntotal" if two else "tok/s (compl,total)", lambda m: f"{m.throughput_total:,.0f}"),
+                dist("TTFT", "ttft"), dist("TPOT", "tpot")]
+
+    def _render(self, layout: str) -> Table:
+        table = Table(title=self.title or None, title_justify="left", caption=self.progress or None,
+                      caption_justify="left", box=box.SIMPLE_HEAD if layout == "two-line" else box.HEAVY_HEAD)
+        cols = self._columns(layout)
+        table.add_column("run", justify="left", no_wrap=True)
+        for header, _ in cols:
+            table.add_column(header, justify="right", no_wrap=True)
         for label, warmup, m in self.rows:
             name = label if (not warmup or "warmup" in label) else f"{label} (warmup)"
             style = "dim" if warmup else None
-            status = "warmup, not measured" if warmup else "measured"
             if m is None:
-                table.add_row(name, self.progress, *[""] * (len(cols) - 2), style=style)
-            elif isinstance(m, ServeRunMetrics):
-                table.add_row(name, status, *serve_row(m), style=style)
-            elif isinstance(m, RunMetrics):
-                d = m.dists
-                table.add_row(name, status, f"{m.throughput_completion:,.0f}",
-                              *[f"{_ms(d[k].p50)}/{_ms(d[k].p99)}" for k in ("ttft", "tpot", "itl", "latency")],
-                              style=style)
+                table.add_row(name, *["…"] + [""] * (len(cols) - 1), style=style)
             else:
-                table.add_row(name, status, f"{m.decode_s:.3f}", f"{m.total_s:.3f}", f"{m.throughput_decode:,.0f}",
-                              f"{m.throughput_total:,.0f}", _ms(m.ttft_p50), _ms(m.tpot_p50), style=style)
+                table.add_row(name, *[cell(m) for _, cell in cols], style=style)
         return table
 
 
@@ -439,18 +480,8 @@ def print_compare(console: Console, names: Sequence[str], rows: Sequence[Compare
 
 # --- `bench serve` ------------------------------------------------------------------------------
 
-SERVE_COLUMNS = ["run", "status", "ok/failed", "req/s", "tok/s (out)", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                 "ITL p50/p99 ms", "E2EL p50/p99 ms"]
-
-
 def _p(d, q: str) -> Optional[float]:
     return d.pcts.get(q)
-
-
-def serve_row(m: ServeRunMetrics) -> list[str]:
-    top = pct_key(max(m.percentiles))
-    return [f"{m.completed}/{m.failed}", f"{m.throughput_requests:,.2f}", f"{m.throughput_completion:,.0f}",
-            *[f"{_ms(_p(m.dists[k], 'p50'))}/{_ms(_p(m.dists[k], top))}" for k in ("ttft", "tpot", "itl", "latency")]]
 
 
 def serve_warmup_line(m: ServeRunMetrics) -> str:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rosecli.bench.workload import WorkloadSpec
 from rosecli.commands import options as o
-from rosecli.commands.progress import startup_progress
+from rosecli.commands.progress import start_engine
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 
@@ -25,7 +25,7 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
                 "linearly between closest ranks. The summary is the median over measured runs; start-up is "
                 "reported on its own, never inside a run.")
 
-SaveResult = Annotated[Optional[str], typer.Option("--save-result", help="Write configuration, environment, "
+SaveResult = Annotated[Optional[str], typer.Option("--save-result", metavar="FILE", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
                                                    "(schema rosecli.bench/1).")]
 Timeline = Annotated[bool, typer.Option("--timeline", help="Record every scheduler step of the measured runs "
@@ -35,8 +35,9 @@ AgainstDirect = Annotated[bool, typer.Option("--against-direct", help="After eac
                                               "through the scheduler directly (as bench sched --mode offline, in "
                                               "this process) and report the streaming manager's throughput "
                                               "overhead against it. Needs every request at once.")]
-Mode = Annotated[str, typer.Option("--mode", help="offline: run all requests to completion; online: also "
-                                   "timestamp each request's submit, first token and finish.")]
+Mode = Annotated[str, typer.Option("--mode", metavar="offline|online", help="offline: run all requests to "
+                                   "completion; online: also timestamp each request's submit, first token and "
+                                   "finish.")]
 SERVE = "Server"
 BaseUrl = Annotated[str, typer.Option("--base-url", help="The server, e.g. http://127.0.0.1:8000 (rose serve-local, "
                                       "vllm serve, sglang, llama-server, ...).", rich_help_panel=SERVE)]
@@ -51,7 +52,7 @@ RequestTimeout = Annotated[float, typer.Option("--request-timeout", help="Second
 Tokenizer = Annotated[Optional[str], typer.Option("--tokenizer", help="Tokenizer (local directory or hub id) that "
                                                   "counts ShareGPT tokens and turns random ids into chat text "
                                                   "(default: SmolLM2's, bundled).", rich_help_panel=o.WORKLOAD)]
-Dataset = Annotated[str, typer.Option("--dataset", help="random | sharegpt (--dataset-path FILE.json) | prefix "
+Dataset = Annotated[str, typer.Option("--dataset", metavar="random|sharegpt|prefix", help="random | sharegpt (--dataset-path FILE.json) | prefix "
                                       "(--prefix-groups groups sharing a --prefix-len token prefix).",
                                       rich_help_panel=o.WORKLOAD)]
 DatasetPath = Annotated[Optional[str], typer.Option("--dataset-path", help="A ShareGPT-format JSON file (read "
@@ -96,10 +97,7 @@ StopOnEos = o.SAMPLING_OPTIONS["stop_on_eos"].annotation()
 
 
 def _start(config, console_err: Console):
-    from rosecli.engine.llm import LLMEngine
-
-    with startup_progress(console_err) as progress:
-        return LLMEngine(config, progress=progress)
+    return start_engine(config, console_err)
 
 
 def _header(engine, spec, config) -> dict:
@@ -136,9 +134,7 @@ def stream(
 ) -> None:
     """Streaming benchmark through the streaming manager: TTFT / TPOT / ITL per run."""
     from rosecli.bench import report, results
-    from rosecli.bench.run import bench_stream
 
-    o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
     if against_direct and (spec.request_rate is not None or spec.submit_interval_ms > 0):
@@ -147,6 +143,8 @@ def stream(
     from rosecli.bench.metrics import parse_goodput
 
     slo = parse_goodput(goodput)
+    from rosecli.bench.run import bench_stream  # the engine's modules: after the cheap checks
+
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
@@ -195,13 +193,13 @@ def sched(
 ) -> None:
     """Scheduler benchmark, driving the scheduler directly: decode and total time, throughput."""
     from rosecli.bench import report, results
-    from rosecli.bench.run import bench_sched
 
-    o.check_runs(warmup_runs, repeat_runs)
     if save_result is not None:
         results.check_result_path(save_result)
     if mode not in ("offline", "online"):
         raise ConfigError(f"--mode must be offline or online, got {mode!r}")
+    from rosecli.bench.run import bench_sched  # the engine's modules: after the cheap checks
+
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
@@ -222,7 +220,7 @@ def sched(
 
 
 @o.user_errors
-def compare(files: Annotated[list[str], typer.Argument(help="Result files from --save-result; the first is the "
+def compare(files: Annotated[list[str], typer.Argument(metavar="FILE", help="Result files from --save-result; the first is the "
                                                        "baseline.")],
             percentiles: Annotated[Optional[str], typer.Option("--percentiles", help="Comma-separated percentiles "
                                                                "of each per-request figure to compare (from the raw "

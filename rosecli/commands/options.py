@@ -27,13 +27,15 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from rosecli.bench.workload import WorkloadSpec
-from rosecli.engine.config import MAX_INT32, MAX_SEED, EngineConfig, SamplingParams, default_threads
+from rosecli.bench.workload import SCHEDULES, WorkloadSpec
+from rosecli.engine.config import (CPU_WEIGHTS, DEVICES, DTYPES, LOAD_FORMATS, MAX_INT32, MAX_SEED, EngineConfig,
+                                   SamplingParams, default_threads)
 from rosecli.engine.errors import ConfigError, RoseError
 
 ENGINE = "Engine"
 SAMPLING = "Sampling"
 WORKLOAD = "Workload"
+CUDA = "CUDA"  # options that apply on a CUDA device only: their own panel, their help starts "(CUDA)"
 # Upper bounds checked as the command line is parsed, so a huge number is refused naming its flag
 # before it reaches a fixed-width integer (the engine's MAX_INT32 and MAX_SEED) or sizes a list.
 MAX_REQUESTS = 100_000
@@ -56,10 +58,19 @@ class Opt:
     envvar: Optional[str] = None
     field: Optional[str] = None
     default: Any = _FROM_CONFIG
+    choices: tuple[str, ...] = ()  # shown in --help as auto|cpu|cuda (the config checks the value)
+    metavar: Optional[str] = None  # what to type after the flag, where no default or choices say it
+
+    @property
+    def full_help(self) -> str:
+        return f"({CUDA}) {self.help}" if self.panel == CUDA else self.help
 
     def annotation(self):
         extra = {k: v for k, v in (("max", self.max), ("envvar", self.envvar)) if v is not None}
-        return Annotated[self.type, typer.Option(*self.flags.split(), help=self.help, rich_help_panel=self.panel,
+        metavar = "|".join(self.choices) if self.choices else self.metavar
+        if metavar:
+            extra["metavar"] = metavar
+        return Annotated[self.type, typer.Option(*self.flags.split(), help=self.full_help, rich_help_panel=self.panel,
                                                  **extra)]
 
 
@@ -68,32 +79,34 @@ def _field_defaults(cls) -> dict[str, Any]:
 
 
 ENGINE_OPTIONS: dict[str, Opt] = {
-    "model": Opt("--model", str, "smollm2-135m (default), gpt2 (with --load-format dummy), a local Hugging Face "
+    "model": Opt("--model -m", str, "smollm2-135m (default), gpt2 (with --load-format dummy), a local Hugging Face "
                  "directory, a .gguf file, or a hub id.", ENGINE),
     "cache_dir": Opt("--cache-dir", Optional[str], "Where converted models are cached (default ~/.cache/rosecli).",
-                     ENGINE, envvar="ROSE_CACHE_DIR"),
-    "cpu_weights": Opt("--cpu-weights", str, "On CPU, what the linear layers read: auto (gate/up as their own 4-bit "
-                       "codes where the weights are 4-bit, as in a Q4 GGUF; the rest float16) | int4 | float16 | "
-                       "int8 | float (as loaded, the reference). docs/cpu.md has each one's speed and agreement.",
-                       ENGINE),
-    "threads": Opt("--threads", Optional[int], "CPU threads for the model's math. Default: the CPUs this process may "
-                   "use less those other programs keep busy at start "
-                   f"({default_threads()} now).", ENGINE),
+                     ENGINE, envvar="ROSE_CACHE_DIR", metavar="DIR"),
+    "cpu_weights": Opt("--cpu-weights", str, "(CPU) What the linear layers read: auto (gate/up as their own 4-bit "
+                       "codes where the weights are 4-bit, as in a Q4 GGUF; the rest float16), or all int4, "
+                       "float16, int8, or float (as loaded, the reference). docs/cpu.md has each one's speed and "
+                       "agreement.", ENGINE, choices=CPU_WEIGHTS),
+    "threads": Opt("--threads", Optional[int], "(CPU) Threads for the model's math. Default: the CPUs this process "
+                   "may use less those other programs keep busy at start "
+                   f"({default_threads()} now).", ENGINE, metavar="N"),
     "load_format": Opt("--load-format", str, "auto: real weights; dummy: random seeded weights of the named shape, "
-                       "no files needed.", ENGINE),
-    "device": Opt("--device", str, "auto | cpu | cuda.", ENGINE),
-    "dtype": Opt("--dtype", str, "auto (float32 on CPU; on CUDA the checkpoint's dtype, float16 for float32 ones) | "
-                  "float32 | float16 | bfloat16.", ENGINE),
+                       "no files needed.", ENGINE, choices=LOAD_FORMATS),
+    "device": Opt("--device", str, "Where the model runs; auto: CUDA when torch sees a GPU, else CPU.", ENGINE,
+                  choices=DEVICES),
+    "dtype": Opt("--dtype", str, "auto: float32 on CPU; on CUDA the checkpoint's dtype (float16 for float32 "
+                 "ones).", ENGINE, choices=DTYPES),
     "dummy_layers": Opt("--dummy-layers", Optional[int], "With --load-format dummy: build only the first N layers "
-                        "of the shape (quick runs of a big model's shape).", ENGINE, max=1024),
+                        "of the shape (quick runs of a big model's shape).", ENGINE, max=1024, metavar="N"),
     "seed": Opt("--seed", int, "Seed for dummy weights and sampling.", ENGINE, max=MAX_SEED),
     "max_model_len": Opt("--max-model-len", Optional[int], "Context length (default: the model's).", ENGINE,
-                         max=MAX_INT32),
+                         max=MAX_INT32, metavar="N"),
     "block_size": Opt("--block-size", int, "Tokens per KV block.", ENGINE),
     "num_gpu_blocks": Opt("--num-gpu-blocks", Optional[int], "KV blocks in the pool (default: sized from "
-                          "--gpu-memory-utilization on CUDA, 8192 tokens' worth on CPU).", ENGINE, max=MAX_INT32),
+                          "--gpu-memory-utilization on CUDA, 8192 tokens' worth on CPU).", ENGINE, max=MAX_INT32,
+                          metavar="N"),
     "gpu_memory_utilization": Opt("--gpu-memory-utilization", float, "Share of GPU memory for weights, activations "
-                                  "and KV cache.", ENGINE),
+                                  "and KV cache.", CUDA),
     "prefix_cache": Opt("--prefix-cache/--no-prefix-cache", bool, "Share KV blocks of identical prompt prefixes.",
                         ENGINE, field="enable_prefix_cache"),
     "max_batch_size": Opt("--max-batch-size", int, "Most sequences in one decode step.", ENGINE),
@@ -101,26 +114,28 @@ ENGINE_OPTIONS: dict[str, Opt] = {
     "prefill_max_tokens": Opt("--prefill-max-tokens", int, "Most prompt tokens in one prefill step; longer prompts "
                               "are prefilled in chunks.", ENGINE, max=MAX_INT32),
     "max_active_requests": Opt("--max-active-requests", Optional[int], "Most admitted (prefilling or decoding) "
-                               "requests; default --max-batch-size.", ENGINE, max=MAX_INT32),
+                               "requests; default --max-batch-size.", ENGINE, max=MAX_INT32, metavar="N"),
     "paged_attn": Opt("--paged-attn/--no-paged-attn", Optional[bool], "Triton paged-attention kernels (default on "
-                      "CUDA; CUDA only) or gather + SDPA.", ENGINE),
+                      "CUDA) or gather + SDPA.", CUDA),
     "cuda_graph": Opt("--cuda-graph/--no-cuda-graph", Optional[bool], "Replay captured CUDA graphs for decode "
-                      "(default on CUDA; CUDA only).", ENGINE),
+                      "(default on CUDA).", CUDA),
     "overlap_schedule": Opt("--overlap-schedule/--no-overlap-schedule", Optional[bool], "Prepare and launch decode "
-                            "step N+1 while the GPU runs step N (default on CUDA).", ENGINE),
-    "nvtx": Opt("--nvtx", bool, "NVTX ranges over engine stages (for Nsight Systems).", ENGINE),
+                            "step N+1 while the device runs step N (default on CUDA).", ENGINE),
+    "nvtx": Opt("--nvtx", bool, "NVTX ranges over engine stages (for Nsight Systems).", CUDA),
     "stream_interval": Opt("--stream-interval", int, "Flush streamed text every N tokens (and at finish).", ENGINE,
                            max=MAX_INT32),
     "tokenize_workers": Opt("--tokenize-workers", int, "Threads that tokenize prompts off the engine thread (0: "
                             "tokenize on the caller's thread).", ENGINE),
     "max_inflight_requests": Opt("--max-inflight-requests", Optional[int], "Most requests submitted and not "
-                                 "finished; beyond it admission waits or is refused.", ENGINE, max=MAX_INT32),
+                                 "finished; beyond it admission waits or is refused.", ENGINE, max=MAX_INT32,
+                                 metavar="N"),
 }
 
 SAMPLING_OPTIONS: dict[str, Opt] = {
-    "max_new_tokens": Opt("--max-new-tokens", int, "Most tokens to generate per request.", SAMPLING, max=MAX_INT32),
+    "max_new_tokens": Opt("--max-new-tokens -n", int, "Most tokens to generate per request.", SAMPLING,
+                          max=MAX_INT32),
     "temperature": Opt("--temperature", Optional[float], "Sampling temperature; 0 is greedy. Default: 0, or 1.0 "
-                       "with --do-sample.", SAMPLING, default=None),
+                       "with --do-sample.", SAMPLING, default=None, metavar="X"),
     "top_k": Opt("--top-k", int, "Keep the k most likely tokens (0: all).", SAMPLING, max=MAX_INT32),
     "top_p": Opt("--top-p", float, "Keep the smallest set of tokens whose mass reaches p.", SAMPLING),
     "min_p": Opt("--min-p", float, "Drop tokens less likely than min-p times the most likely one (0: off).",
@@ -136,7 +151,7 @@ SAMPLING_OPTIONS: dict[str, Opt] = {
     "do_sample": Opt("--do-sample", bool, "Sample instead of greedy decoding.", SAMPLING, default=False),
     "stop_on_eos": Opt("--stop-on-eos/--no-stop-on-eos", bool, "Stop at the model's EOS token.", SAMPLING),
     "stop": Opt("--stop", Optional[list[str]], "Stop string (repeatable); not included in the output.", SAMPLING,
-                default=None),
+                default=None, metavar="TEXT"),
 }
 
 WORKLOAD_OPTIONS: dict[str, Opt] = {
@@ -148,16 +163,16 @@ WORKLOAD_OPTIONS: dict[str, Opt] = {
     "pretok": Opt("--pretok", bool, "Tokenize prompts before the run; the engine gets ids.", WORKLOAD),
     "num_requests": Opt("--num-requests", int, "Requests per run.", WORKLOAD, max=MAX_REQUESTS),
     "input_len": Opt("--input-len", Optional[int], "Random-token prompts of this many tokens (replaces --prompt).",
-                     WORKLOAD, max=MAX_INT32),
+                     WORKLOAD, max=MAX_INT32, metavar="N"),
     "output_len": Opt("--output-len", Optional[int], "New tokens per request (replaces --max-new-tokens; varies "
-                      "with --range-ratio).", WORKLOAD, max=MAX_INT32),
+                      "with --range-ratio).", WORKLOAD, max=MAX_INT32, metavar="N"),
     "range_ratio": Opt("--range-ratio", float, "--input-len/--output-len vary uniformly within +- this fraction.",
                        WORKLOAD),
     "submit_interval_ms": Opt("--submit-interval-ms", float, "Gap between submits (0: all at once).", WORKLOAD),
     "submit_schedule": Opt("--submit-schedule", str, "absolute: request i is due at i*interval; relative: wait the "
-                           "interval after each submit returns.", WORKLOAD),
+                           "interval after each submit returns.", WORKLOAD, choices=SCHEDULES),
     "request_rate": Opt("--request-rate", Optional[float], "Poisson arrivals at this many requests/s (seeded by "
-                        "--seed).", WORKLOAD),
+                        "--seed).", WORKLOAD, metavar="RATE"),
     "warmup_runs": Opt("--warmup-runs", int, "Runs before measuring (not counted).", WORKLOAD, max=MAX_RUNS,
                        default=0),
     "repeat_runs": Opt("--repeat-runs", int, "Measured runs; the summary is their median.", WORKLOAD, max=MAX_RUNS,
@@ -290,6 +305,8 @@ def with_options(*groups: Group, defaults: Optional[dict[str, Any]] = None):
         @functools.wraps(fn)
         def wrapper(**kwargs):
             values = {n: kwargs.pop(n) for n in option_names if n in kwargs}
+            if "warmup_runs" in values or "repeat_runs" in values:
+                check_runs(values.get("warmup_runs", 0), values.get("repeat_runs", 1))
             for param in sorted(by_param, key=_BUILD_ORDER.index):
                 kwargs[param] = by_param[param].build(values)
             kwargs.update({n: values[n] for n in passed_through if n in values})
@@ -350,7 +367,7 @@ def _check_nvtx(config: EngineConfig) -> None:
 
 
 def _check_cache_dir(config: EngineConfig) -> None:
-    from rosecli.engine.loader import cache_root
+    from rosecli.engine.config import cache_root  # not the loader: it imports torch (seconds)
 
     root = cache_root(config)
     check_writable_dir(f"--cache-dir {root}" if config.cache_dir else

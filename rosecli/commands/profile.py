@@ -12,7 +12,7 @@ from rich.table import Table
 from rosecli.bench.workload import WorkloadSpec
 from rosecli.commands import options as o
 from rosecli.commands.bench import report_failures
-from rosecli.commands.progress import startup_progress
+from rosecli.commands.progress import start_engine
 from rosecli.engine.config import EngineConfig, SamplingParams
 
 # A short workload: a profile needs a few steps of each kind, not a benchmark's run
@@ -23,14 +23,17 @@ PROFILE_DEFAULTS = {"num_requests": 8, "max_new_tokens": 32, "warmup_runs": 1}
 @o.with_options(o.engine_options(), o.workload_options(exclude=("repeat_runs",)),
                 o.sampling_options(exclude=("stop",)), defaults=PROFILE_DEFAULTS)
 def profile(
-    torch_trace: Annotated[Optional[str], typer.Option("--torch-trace", help="Also record the measured window "
+    torch_trace: Annotated[Optional[str], typer.Option("--torch-trace", metavar="DIR", help="Also record the measured window "
                                                        "with the torch profiler into this directory (Chrome/"
                                                        "Perfetto JSON).")] = None,
-    decode_step: Annotated[bool, typer.Option("--decode-step", help="Instead of the workload: the device time of "
+    decode_step: Annotated[bool, typer.Option("--decode-step", rich_help_panel=o.CUDA, help="(CUDA) Instead of "
+                                              "the workload: the device time of "
                                               "one decode step (CUDA graph replays) and the kernels of one eager "
                                               "step, for each of --decode-batch-sizes, every sequence holding "
                                               "--input-len tokens (default 128). Needs a CUDA GPU.")] = False,
-    decode_batch_sizes: Annotated[Optional[str], typer.Option("--decode-batch-sizes", help="Comma-separated batch "
+    decode_batch_sizes: Annotated[Optional[str], typer.Option("--decode-batch-sizes", metavar="N,N,...",
+                                                              rich_help_panel=o.CUDA, help="(CUDA) "
+                                                              "Comma-separated batch "
                                                               "sizes for --decode-step (default: 1 and "
                                                               "--max-batch-size).")] = None,
     *, config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, warmup_runs: int,
@@ -41,9 +44,6 @@ def profile(
     measured window is bracketed by cudaProfilerStart/Stop, e.g.
     `nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi -o rose rose profile --nvtx`.
     """
-    from rosecli.bench.profile import run_profile
-    from rosecli.engine.llm import LLMEngine
-
     if decode_step or decode_batch_sizes is not None:
         return _decode_step(decode_step, decode_batch_sizes, spec.input_len, config)
     o.check_runs(warmup_runs, 1)
@@ -52,9 +52,9 @@ def profile(
             o.fail("--torch-trace needs a directory name, got an empty one: pass e.g. --torch-trace traces")
         o.check_writable_dir(f"--torch-trace {torch_trace}", torch_trace)
     console = Console()
-    err = Console(stderr=True)
-    with startup_progress(err) as progress:
-        engine = LLMEngine(config, progress=progress)
+    engine = start_engine(config, Console(stderr=True))
+    from rosecli.bench.profile import run_profile
+
     try:
         result = run_profile(engine, spec, params, warmup_runs=warmup_runs, torch_trace_dir=torch_trace)
     finally:
@@ -80,7 +80,6 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
 
     from rosecli.bench.profile import DEFAULT_DECODE_CONTEXT, decode_batch_sizes, profile_decode_step
     from rosecli.engine.errors import ConfigError
-    from rosecli.engine.llm import LLMEngine
 
     if not decode_step:
         raise ConfigError("--decode-batch-sizes applies only with --decode-step")
@@ -91,8 +90,7 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
                           "leave out --decode-step (rose profile without it prints host time per stage)")
     context = input_len if input_len is not None else DEFAULT_DECODE_CONTEXT
     console = Console()
-    with startup_progress(Console(stderr=True)) as progress:
-        engine = LLMEngine(config, progress=progress)
+    engine = start_engine(config, Console(stderr=True))
     try:
         rows = profile_decode_step(engine, sizes, context)
     finally:

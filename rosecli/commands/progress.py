@@ -1,27 +1,49 @@
-"""Rich progress for start-up (model conversion, kernel compilation, graph capture)."""
+"""Start-up progress: visible from the first second (importing torch, loading weights, the one-time
+conversion, kernel compilation, CUDA graph capture), gone once the engine is ready."""
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-_LABELS = {"convert": "Converting model (once)", "load": "Loading weights", "capture": "Capturing CUDA graphs",
-           "compile": "Compiling kernels"}
+# stage -> what the status line says while it runs; stages with a known total also get a bar
+_LABELS = {"import": "importing torch", "load": "loading weights", "convert": "converting the model (once)",
+           "compile": "compiling kernels", "capture": "capturing CUDA graphs"}
+_BARS = ("convert", "capture")
 
 
 @contextmanager
-def startup_progress(console: Console):
-    """Yields a callback ``progress(stage, done, total)`` that drives one bar per stage."""
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True)
-    tasks: dict[str, int] = {}
+def startup_progress(console: Console, what: str = "Starting"):
+    """Yields a callback ``progress(stage, done, total)``: one status line (spinner, the stage, time
+    since start) shown at once and redrawn ten times a second, plus a bar for stages that count
+    (conversion, graph capture). Nothing is printed when ``console`` is not a terminal."""
+    bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=console, transient=True)
+    status = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True)
+    bars: dict[str, int] = {}
+    line = status.add_task(f"{what}: {_LABELS['import']}", total=None)
 
     def update(stage: str, done: int, total: int) -> None:
-        if stage not in tasks:
-            tasks[stage] = bar.add_task(_LABELS.get(stage, stage), total=total)
-        bar.update(tasks[stage], completed=done, total=total)
+        status.update(line, description=f"{what}: {_LABELS.get(stage, stage)}")
+        if stage in _BARS and total:
+            if stage not in bars:
+                bars[stage] = bar.add_task(_LABELS[stage], total=total)
+            bar.update(bars[stage], completed=done, total=total)
 
-    with bar:
+    from rich.console import Group
+    from rich.live import Live
+
+    with Live(Group(status, bar), console=console, transient=True, refresh_per_second=10):
         yield update
+
+
+def start_engine(config, console: Console):
+    """Build the engine with start-up progress on ``console`` (stderr): the status line is up
+    before torch is imported, the slowest second of a cold start."""
+    with startup_progress(console, f"Starting {config.model}") as progress:
+        from rosecli.engine.llm import LLMEngine
+
+        return LLMEngine(config, progress=progress)

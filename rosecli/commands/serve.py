@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from rosecli.commands import options as o
-from rosecli.commands.progress import startup_progress
+from rosecli.commands.progress import start_engine
 from rosecli.engine.config import EngineConfig
 
 SERVER = "Server"
@@ -31,7 +31,7 @@ def serve_local(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model name "
                                                              "clients send (default: --model).",
                                                              rich_help_panel=SERVER)] = None,
-    overload: Annotated[str, typer.Option("--overload", help="Beyond --max-inflight-requests: reject (429) or "
+    overload: Annotated[str, typer.Option("--overload", metavar="reject|wait", help="Beyond --max-inflight-requests: reject (429) or "
                                           "wait for room.", rich_help_panel=SERVER)] = "reject",
     exit_on_engine_error: Annotated[bool, typer.Option("--exit-on-engine-error", help="Exit non-zero when the "
                                                        "engine worker dies (default: keep serving /health 503).",
@@ -70,16 +70,14 @@ def serve_local(
         sock = bind_socket(host, port)  # before the model loads: a taken port fails in a moment
     except PortInUseError as e:
         o.fail(str(e), code=1)
-    from rosecli.engine.llm import LLMEngine  # torch: seconds to import, after the port is ours
-    from rosecli.engine.streaming import StreamingManager
-
     err = Console(stderr=True)
     try:
-        with startup_progress(err) as progress:
-            engine = LLMEngine(config, progress=progress)
+        engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
     except BaseException:
         sock.close()
         raise
+    from rosecli.engine.streaming import StreamingManager
+
     manager = StreamingManager(engine)
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:

@@ -21,6 +21,18 @@ CPU_WEIGHTS = ("auto", "int4", "float16", "int8", "float")  # rosecli/engine/mod
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def cache_root(config: "EngineConfig"):
+    """Where converted models are cached: ``--cache-dir``, else ``$XDG_CACHE_HOME/rosecli``, else
+    ``~/.cache/rosecli`` (here, not in the loader, so the CLI checks it without importing torch)."""
+    from pathlib import Path
+
+    if config.cache_dir:
+        return Path(config.cache_dir).expanduser()
+    # The platform's convention for the default location, read here like $HOME is.
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rosecli"
+
+
 def default_threads() -> int:
     """The CPUs this process may run on (its affinity set: taskset and container limits count), less
     those other programs keep busy right now (runnable tasks in /proc/loadavg), at least one.

@@ -72,6 +72,8 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads or default_threads())
         t0 = time.perf_counter()
+        if progress:
+            progress("load", 0, 1)
         self.loaded = load_model(config, self.device, self.dtype, progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

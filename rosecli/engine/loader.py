@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rosecli.engine.config import EngineConfig
+from rosecli.engine.config import EngineConfig, cache_root  # noqa: F401 (loader.cache_root)
 from rosecli.engine.errors import ConfigError, ModelLoadError
 from rosecli.engine import cache_files, cpu_cache
 from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_converted
@@ -105,14 +105,6 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     is_instruct: bool
-
-
-def cache_root(config: EngineConfig) -> Path:
-    if config.cache_dir:
-        return Path(config.cache_dir).expanduser()
-    # The platform's convention for the default location, read here like $HOME is.
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "rosecli"
 
 
 def _smollm2_gguf() -> str:

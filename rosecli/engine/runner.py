@@ -257,6 +257,8 @@ class ModelRunner:
         """Compile kernels and capture decode graphs now, so no request pays for them."""
         if not self.is_cuda:
             return self.startup_times
+        if progress:
+            progress("compile", 0, 1)
         t0 = time.perf_counter()
         self._warmup_kernels()
         self._warmup_sampler()

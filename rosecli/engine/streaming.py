@@ -94,6 +94,7 @@ class StreamingManager:
         self._room = threading.Condition(threading.Lock())
         self._stop = False
         self.error: Optional[BaseException] = None
+        self.generated_tokens = 0  # tokens the engine produced so far (live progress; written by the stepping thread)
         self._tokenizer_pool = (ThreadPoolExecutor(cfg.tokenize_workers, thread_name_prefix="rose-tokenize")
                                 if cfg.tokenize_workers > 0 else None)
         self._thread = threading.Thread(target=self._worker, name="rose-engine", daemon=True)
@@ -377,6 +378,7 @@ class StreamingManager:
 
     def _step(self) -> None:
         tokens = self.scheduler.step()
+        self.generated_tokens += len(tokens)
         finished = self.scheduler.pop_finished_ids()
         if not tokens and not finished:
             return

@@ -19,6 +19,15 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def _on_cuda(config: EngineConfig) -> bool:
+    """Whether the engine will run on a CUDA device (``--device auto`` asks torch)."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @o.user_errors
 @o.with_options(o.engine_options())
 def serve_local(
@@ -44,6 +53,11 @@ def serve_local(
     read_timeout: Annotated[float, typer.Option("--read-timeout", help="Seconds a client may take to send a "
                                                 "request's headers, and again its body (408 beyond).",
                                                 rich_help_panel=SERVER)] = 30.0,
+    engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process",
+                                                           help="Run the engine in a process of its own, so HTTP "
+                                                           "work and engine work do not share the GIL (default: on "
+                                                           "CUDA, unless --profile-dir).",
+                                                           rich_help_panel=SERVER)] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT, seconds "
                                                     "running requests get to finish before they are ended.",
                                                     rich_help_panel=SERVER)] = 10.0,
@@ -71,14 +85,28 @@ def serve_local(
     except PortInUseError as e:
         o.fail(str(e), code=1)
     err = Console(stderr=True)
+    if engine_process and profile_dir is not None:
+        sock.close()
+        o.fail("--profile-dir needs the engine in the server process (the torch profiler records the process "
+               "that starts it): leave out --engine-process")
     try:
-        engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
+        if engine_process is None:
+            engine_process = profile_dir is None and _on_cuda(config)
+        if engine_process:
+            from rosecli.server.engine_process import start_engine_process
+
+            try:
+                manager, engine = start_engine_process(config)
+            except RuntimeError as e:
+                o.fail(f"the engine did not start: {e}", code=1)
+        else:
+            engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
+            from rosecli.engine.streaming import StreamingManager
+
+            manager = StreamingManager(engine)
     except BaseException:
         sock.close()
         raise
-    from rosecli.engine.streaming import StreamingManager
-
-    manager = StreamingManager(engine)
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:
         died: list[bool] = []

@@ -76,8 +76,17 @@ def serve_local(
     except BaseException:
         sock.close()
         raise
+    from rosecli.engine.config import cache_root
+    from rosecli.engine.roofline import device_read_ceiling
     from rosecli.engine.streaming import StreamingManager
 
+    try:  # GET /roofline reports it (rose bench serve's distance to the floor); once per device, then cached
+        ceiling = device_read_ceiling(engine.device, cache_root(engine.config), lambda key: err.print(
+            f"measuring the read ceiling of {key} (once)", highlight=False, markup=False))
+    except Exception as e:  # the server serves without it: bench serve then shows no distance to the floor
+        err.print(f"note: the device's read ceiling was not measured ({type(e).__name__}: {e})", highlight=False,
+                  markup=False)
+        ceiling = None
     manager = StreamingManager(engine)
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:
@@ -92,7 +101,8 @@ def serve_local(
         name = served_model_name or config.model
         app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
                          profile_dir=profile_dir, on_engine_dead=on_engine_dead,
-                         max_request_bytes=max_request_bytes, read_timeout=read_timeout)
+                         max_request_bytes=max_request_bytes, read_timeout=read_timeout,
+                         read_ceiling_gbs=ceiling.gbs if ceiling is not None else None)
         server = make_server(app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout)
         err.print(f"[bold]{name}[/bold] on {engine.device.type}, context {engine.max_model_len}: OpenAI API at "
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)

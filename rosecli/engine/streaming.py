@@ -95,6 +95,10 @@ class StreamingManager:
         self._stop = False
         self.error: Optional[BaseException] = None
         self.generated_tokens = 0  # tokens the engine produced so far (live progress; written by the stepping thread)
+        # seconds of decode steps so far, each from the end of the step before (host work between steps
+        # included) unless the engine idled: what the benchmarks divide a decode step's bytes by
+        self.decode_s = 0.0
+        self._step_end: Optional[float] = None
         self._tokenizer_pool = (ThreadPoolExecutor(cfg.tokenize_workers, thread_name_prefix="rose-tokenize")
                                 if cfg.tokenize_workers > 0 else None)
         self._thread = threading.Thread(target=self._worker, name="rose-engine", daemon=True)
@@ -269,7 +273,9 @@ class StreamingManager:
                 "inflight": self._inflight, "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
                 "prefix_cache_queried_tokens": bm.prefix_queried_tokens, "preemptions": s.num_preemptions,
-                "finish_counts": dict(s.finish_counts)}
+                "finish_counts": dict(s.finish_counts), "decode_s": self.decode_s,
+                **dict(zip(("decode_steps", "decode_sequences", "decode_context_tokens"),
+                           s.runner.decode_counts()))}
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Wait until no request is queued or running (used by tests and benchmarks)."""
@@ -377,7 +383,13 @@ class StreamingManager:
             self.outputs.request_failed(req, e)
 
     def _step(self) -> None:
-        tokens = self.scheduler.step()
+        sched = self.scheduler
+        start = time.perf_counter()
+        tokens = sched.step()
+        end = time.perf_counter()
+        if sched.last_step_kind == "decode":  # from the step before's end, unless the engine idled since
+            self.decode_s += end - (self._step_end or start)
+        self._step_end = end if sched.has_unfinished() else None
         self.generated_tokens += len(tokens)
         finished = self.scheduler.pop_finished_ids()
         if not tokens and not finished:

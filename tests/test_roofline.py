@@ -274,3 +274,35 @@ def test_a_server_without_a_read_ceiling_gives_no_figures(cache_dir):
         assert server_stats("http://127.0.0.1:9", {}, timeout=1.0) is None  # nobody there
     finally:
         srv.stop()
+
+
+# --- on a GPU (the lead runs these) ----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_ceiling_is_plausible_and_measured_once(tmp_path):
+    from rosecli.engine.roofline import measure_read_gbs
+
+    dev = torch.device("cuda")
+    assert 100 < measure_read_gbs(dev, max_bytes=512 << 20) < 50_000
+    first = device_read_ceiling(dev, tmp_path)
+    again = device_read_ceiling(dev, tmp_path, lambda key: pytest.fail("measured twice"))
+    assert not first.cached and again.cached and again.gbs == first.gbs
+
+
+@pytest.mark.gpu
+def test_gpu_bench_stream_and_profile_report_the_floor(cache_dir, tmp_path):
+    from rosecli.commands.main import app
+
+    path = tmp_path / "w.json"
+    gpu = ["--model", "gpt2", "--load-format", "dummy", "--device", "cuda", "--cache-dir", cache_dir]
+    r = CliRunner().invoke(app, ["bench", "stream", *gpu, "--num-requests", "16", "--max-new-tokens", "32",
+                                 "--no-stop-on-eos", "--max-batch-size", "16", "--repeat-runs", "2",
+                                 "--save-result", str(path)])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("Decode roofline: ") == 2 and "Decode roofline (median): " in r.output
+    s = json.loads(path.read_text())["summary"]
+    assert 0 < s["roofline_share"] < 1.2 and s["decode_bytes_per_step"] > 240e6  # GPT-2: ~123.7M parameters read, 2 bytes each
+    r = CliRunner().invoke(app, ["profile", *gpu, "--decode-step", "--decode-batch-sizes", "1,8"])
+    assert r.exit_code == 0, r.output
+    assert r.output.count("floor: ") == 2 and r.output.count("time: gemm ") == 2

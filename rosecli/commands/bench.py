@@ -23,7 +23,9 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
                 "client receives; latency = finish - submit; queue wait = admitted - tokenized; submit lag = submit "
                 "- scheduled time. Throughput = tokens / (last finish - first submit). Percentiles interpolate "
                 "linearly between closest ranks. The summary is the median over measured runs; start-up is "
-                "reported on its own, never inside a run.")
+                "reported on its own, never inside a run. On a GPU: decode bytes per step (weights + the KV of the "
+                "batch's context lengths), decode step time, GB/s read and its share of the device's read ceiling "
+                "(measured once per device, cached; docs/bench-metrics.md).")
 
 SaveResult = Annotated[Optional[str], typer.Option("--save-result", metavar="FILE", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "

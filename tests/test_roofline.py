@@ -302,7 +302,8 @@ def test_gpu_bench_stream_and_profile_report_the_floor(cache_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert r.output.count("Decode roofline: ") == 2 and "Decode roofline (median): " in r.output
     s = json.loads(path.read_text())["summary"]
-    assert 0 < s["roofline_share"] < 1.2 and s["decode_bytes_per_step"] > 240e6  # GPT-2: ~123.7M parameters read, 2 bytes each
+    # GPT-2: about 123.7M parameters read per step, 2 bytes each, and some KV
+    assert 0 < s["roofline_share"] < 1.2 and s["decode_bytes_per_step"] > 240e6
     r = CliRunner().invoke(app, ["profile", *gpu, "--decode-step", "--decode-batch-sizes", "1,8"])
     assert r.exit_code == 0, r.output
     assert r.output.count("floor: ") == 2 and r.output.count("time: gemm ") == 2

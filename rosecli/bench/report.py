@@ -316,7 +316,6 @@ class RunTable:
                 table.add_row(name, *[cell(m) for _, cell in cols], style=style)
         return table
 
-
     def _roofline_columns(self) -> list[tuple[str, Callable]]:
         """Each run's decode read rate and its share of the device's read ceiling, when a run has them."""
         if not any(getattr(m, "roofline", None) is not None for _, _, m in self.rows):
@@ -324,7 +323,7 @@ class RunTable:
 
         def cell(m) -> str:
             r = getattr(m, "roofline", None)
-            return "-" if r is None else f"{r.gbs:,.0f} ({r.share * 100:.0f}%)"
+            return "-" if r is None or not math.isfinite(r.share) else f"{r.gbs:,.0f} ({r.share * 100:.0f}%)"
 
         return [("GB/s (% ceil)", cell)]
 

@@ -108,8 +108,8 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
                       highlight=False, soft_wrap=True)
         if r.step_bytes is not None and probe is not None:
             floor_us = r.step_bytes / (probe.ceiling_gbs * 1e3)
-            console.print(f"   floor: {r.step_bytes / 1e6:.1f} MB read at the {probe.ceiling_gbs:.0f} GB/s read ceiling = "
-                          f"{floor_us:.1f} us; this step {r.step_bytes / r.step_us / 1e3:.0f} GB/s, "
+            console.print(f"   floor: {r.step_bytes / 1e6:.1f} MB read at the {probe.ceiling_gbs:.0f} GB/s read "
+                          f"ceiling = {floor_us:.1f} us; this step {r.step_bytes / r.step_us / 1e3:.0f} GB/s, "
                           f"{floor_us / r.step_us * 100:.1f}% of the ceiling", highlight=False, soft_wrap=True)
         shares = r.shares()
         if shares:

@@ -273,9 +273,7 @@ class StreamingManager:
                 "inflight": self._inflight, "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
                 "prefix_cache_queried_tokens": bm.prefix_queried_tokens, "preemptions": s.num_preemptions,
-                "finish_counts": dict(s.finish_counts), "decode_s": self.decode_s,
-                **dict(zip(("decode_steps", "decode_sequences", "decode_context_tokens"),
-                           s.runner.decode_counts()))}
+                "finish_counts": dict(s.finish_counts)}
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Wait until no request is queued or running (used by tests and benchmarks)."""

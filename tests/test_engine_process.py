@@ -69,9 +69,12 @@ def test_answers_equal_the_engine_in_process(remote, cache_dir):
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True}
     with httpx.Client(base_url=remote.url, timeout=60) as http:
+        before = http.get("/roofline").json()
         whole = http.post("/v1/completions", json=body).json()
         chunks = _stream_texts(http, body)
         assert http.get("/health").json()["status"] == "ok"
+        after = http.get("/roofline").json()  # the engine's decode counts, from its process
+    assert after["decode_steps"] >= before["decode_steps"] + 2 * 11 and after["weight_bytes_per_step"] > 0
     local = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", device="cpu", cache_dir=cache_dir,
                                    show_progress=False))
     try:

@@ -19,6 +19,20 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def serve_read_ceiling(engine, say):
+    """The device's read ceiling for GET /roofline (rose bench serve's distance to the floor): measured
+    once per device, then cached; None on CPU or when the measurement fails (the server serves without it)."""
+    from rosecli.engine.config import cache_root
+    from rosecli.engine.roofline import device_read_ceiling
+
+    try:
+        return device_read_ceiling(engine.device, cache_root(engine.config),
+                                   lambda key: say(f"measuring the read ceiling of {key} (once)"))
+    except Exception as e:  # noqa: BLE001 - bench serve then shows no distance to the floor
+        say(f"note: the device's read ceiling was not measured ({type(e).__name__}: {e})")
+        return None
+
+
 def _on_cuda(config: EngineConfig) -> bool:
     """Whether the engine will run on a CUDA device (``--device auto`` asks torch)."""
     if config.device != "auto":
@@ -107,6 +121,11 @@ def serve_local(
     except BaseException:
         sock.close()
         raise
+    if engine_process:
+        ceiling_gbs = engine.read_ceiling_gbs  # measured in the engine's process
+    else:
+        ceiling = serve_read_ceiling(engine, lambda msg: err.print(msg, highlight=False, markup=False))
+        ceiling_gbs = ceiling.gbs if ceiling is not None else None
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:
         died: list[bool] = []
@@ -120,7 +139,8 @@ def serve_local(
         name = served_model_name or config.model
         app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
                          profile_dir=profile_dir, on_engine_dead=on_engine_dead,
-                         max_request_bytes=max_request_bytes, read_timeout=read_timeout)
+                         max_request_bytes=max_request_bytes, read_timeout=read_timeout,
+                         read_ceiling_gbs=ceiling_gbs)
         server = make_server(app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout)
         err.print(f"[bold]{name}[/bold] on {engine.device.type}, context {engine.max_model_len}: OpenAI API at "
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)

@@ -8,7 +8,7 @@ runner, output processing, the streaming manager) then runs in a child process a
 process does HTTP only. They talk over one duplex `multiprocessing` pipe:
 
 - server -> engine: ``("add", rid, token_ids, params)``, ``("abort", rid)``,
-  ``("call", call_id, name)`` (``stats``), ``("close",)``;
+  ``("call", call_id, name)`` (``stats``, ``decode_counts``), ``("close",)``;
 - engine -> server: ``("ready", info)`` or ``("failed", message)`` once at start-up, then
   ``("out", pieces, ends)`` per batch of the manager's sink (``pieces``: ``[(rid, text)]``,
   ``ends``: ``[(rid, RequestOutput or None, error or None)]``), ``("reply", call_id, value)``,
@@ -67,6 +67,8 @@ class RemoteEngine:
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                      _BlockLimits(info["num_blocks"], info["block_size"]))
         self.stages = None  # profiling needs the engine in the server process (serve-local says so)
+        self.read_ceiling_gbs: Optional[float] = info.get("read_ceiling_gbs")
+        self.decode_weights: dict = info["decode_weights"]  # what a decode step reads of the model (bytes)
 
     def close(self) -> None:
         pass
@@ -151,6 +153,10 @@ class RemoteManager:
             raise err
         return out
 
+    def decode_counts(self) -> dict:
+        """As `StreamingManager.decode_counts`, from the engine's process."""
+        return self._call("decode_counts")
+
     def stats(self) -> dict:
         """The engine's counters (as `StreamingManager.stats`); once it is gone, the last ones seen."""
         try:
@@ -202,8 +208,10 @@ class RemoteManager:
                 raise EngineDeadError(f"the engine process did not answer {name} within {CALL_TIMEOUT_S:g} s")
         finally:
             self._calls.pop(call_id, None)
-        if len(box) < 2:
+        if len(box) < 3:
             raise EngineDeadError(f"the engine stopped before answering {name}")
+        if box[2] is not None:
+            raise RuntimeError(f"the engine process could not answer {name}: {box[2]}")
         return box[1]
 
     def _read(self) -> None:
@@ -218,6 +226,7 @@ class RemoteManager:
                     box = self._calls.get(msg[1])
                     if box is not None:
                         box.append(msg[2])
+                        box.append(msg[3])
                         box[0].set()
                 elif kind == "dead":
                     self.error = EngineDeadError(msg[1])
@@ -266,10 +275,14 @@ def _engine_main(config: EngineConfig, conn) -> None:
     from rich.console import Console
 
     from rosecli.commands.progress import start_engine
+    from rosecli.commands.serve import serve_read_ceiling
+    from rosecli.engine.roofline import decode_bytes
     from rosecli.engine.streaming import StreamingManager
 
     try:
-        engine = start_engine(config, Console(stderr=True))
+        console = Console(stderr=True)
+        engine = start_engine(config, console)
+        ceiling = serve_read_ceiling(engine, lambda msg: console.print(msg, highlight=False, markup=False))
         engine.config.max_inflight_requests = None  # the server process counts requests against the limit
         manager = StreamingManager(engine)
     except BaseException as e:  # noqa: BLE001 - told to the server, which says it in one line
@@ -280,7 +293,9 @@ def _engine_main(config: EngineConfig, conn) -> None:
     conn.send(("ready", {"model_name": engine.model_name, "max_model_len": engine.max_model_len,
                          "device": str(engine.device), "tokenizer": engine.tokenizer,
                          "vocab_size": engine.inputs.vocab_size, "num_blocks": bm.num_blocks,
-                         "block_size": bm.block_size}))
+                         "block_size": bm.block_size,
+                         "read_ceiling_gbs": ceiling.gbs if ceiling is not None else None,
+                         "decode_weights": decode_bytes(engine.loaded.model, engine.dtype).as_dict()}))
     send_lock = threading.Lock()
 
     def send(msg) -> bool:
@@ -361,8 +376,11 @@ def _engine_main(config: EngineConfig, conn) -> None:
                     manager.abort(rid)
             elif kind == "call":
                 _, call_id, name = msg
-                value = manager.stats() if name == "stats" else None
-                send(("reply", call_id, value))
+                fn = {"stats": manager.stats, "decode_counts": manager.decode_counts}.get(name)
+                try:
+                    send(("reply", call_id, fn(), None) if fn else ("reply", call_id, None, f"no call {name!r}"))
+                except Exception as e:  # noqa: BLE001 - the caller hears of it; the engine goes on
+                    send(("reply", call_id, None, f"{type(e).__name__}: {e}"))
             elif kind == "close":
                 break
     finally:

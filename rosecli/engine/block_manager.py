@@ -85,8 +85,9 @@ class BlockManager:
     # --- allocation -----------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the start of the sequence. The last token is never cached, so
-        its logits are always computed (a fully cached prompt still yields a first token)."""
-        if not self.enable_prefix_cache:
+        its logits are always computed (a fully cached prompt still yields a first token). A request
+        that asked for prompt logprobs computes its whole prompt: a cached block has no logits."""
+        if not self.enable_prefix_cache or seq.params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         parent = None
@@ -145,6 +146,27 @@ class BlockManager:
         self.block_tokens[block] = None
         self.ref_counts[block] = 1
         return block
+
+    def fork(self, parent: Sequence, child: Sequence) -> Optional[tuple[int, int]]:
+        """Give ``child`` (the same tokens as ``parent``, computed by it) ``parent``'s KV: the full
+        blocks shared (reference counts), a partly filled last block as a block of its own, whose
+        contents the caller copies: returns that (source, destination) pair, or None. Needs one
+        free block when the last is partial (reserved at admission)."""
+        table = list(parent.block_table)
+        for block in table:
+            self.ref_counts[block] += 1
+        pair = None
+        if parent.num_computed_tokens % self.block_size:
+            src = table[-1]
+            self.ref_counts[src] -= 1
+            table[-1] = self._take_block()
+            pair = (src, table[-1])
+        child.block_table = table
+        child.block_hashes = list(parent.block_hashes)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_computed_tokens = parent.num_computed_tokens
+        return pair
 
     def can_append(self, seq: Sequence, num_tokens: int = 1) -> bool:
         """Whether ``seq`` can grow to ``len(seq) + num_tokens - 1`` tokens' worth of slots."""

@@ -201,6 +201,7 @@ MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
 MIN_REPETITION_PENALTY = 1e-6
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0  # each bias within -100..100, as OpenAI's
+MAX_LOGPROBS = 20  # top logprobs a position may ask for (OpenAI's top_logprobs bound)
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias entries (also the sampler's)
 
 
@@ -219,6 +220,8 @@ class SamplingParams:
     0..max_new_tokens, logit_bias at most 300 entries {token id: bias in -100..100}, seed
     0..2**64-1, at most 16 stop strings of 1..256 characters, at most 1024 stop token ids in
     0..2**31-1. Token ids of logit_bias are checked against the vocabulary by the input processor.
+    ``logprobs`` / ``prompt_logprobs`` (None: off; 0..20: the chosen token's logprob and that many
+    most likely tokens, for each output / prompt position; `rosecli.engine.logprobs` says which).
 
     Semantics are vLLM's: penalties apply to greedy rows too; presence and frequency penalties
     count output tokens, repetition_penalty prompt and output tokens; until ``min_tokens`` tokens
@@ -240,6 +243,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
@@ -292,4 +297,7 @@ class SamplingParams:
                    f"logit_bias of token {t} must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
                    f"got {bias!r}")
         self.logit_bias = {t: float(bias) for t, bias in self.logit_bias.items()}
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
 

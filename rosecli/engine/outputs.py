@@ -16,6 +16,14 @@ reaches the caller. The final text is the pieces sent, concatenated.
 ``min_tokens`` (vLLM's semantics): the text of a request's first ``min_tokens`` tokens is never
 searched for a stop string, and no stop string ends it before then; the first token after that
 searches its own new text (a stop string may begin in the earlier text and end in it, as any).
+
+Logprobs. A request that asked (``logprobs`` / ``prompt_logprobs`` in its params) gets each piece
+as a `TextPiece`: the text, with the logprobs of the tokens pushed since the last piece (and, on
+the first, the prompt's), so a stream's logprobs go with the text their tokens made (text held
+back by a stop string or an unfinished character goes out later; its logprobs with it). A token
+with no text yet keeps its logprobs for the next piece; the last piece carries whatever is left.
+The output has them all (`RequestOutput.logprobs`, ``prompt_logprobs``: None for the first token).
+Other requests' pieces stay plain strings.
 """
 
 from __future__ import annotations
@@ -57,6 +65,17 @@ class RequestOutput:
     timestamps: RequestTimestamps
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the output token ids (once finished)
+    logprobs: Optional[list] = None  # [TokenLogprobs] for each output token, when asked
+    prompt_logprobs: Optional[list] = None  # [None, TokenLogprobs, ...] for each prompt token, when asked
+
+
+class TextPiece(str):
+    """A piece of a request that asked for logprobs: the text, with ``logprobs`` (the
+    `TokenLogprobs` of the tokens flushed with it) and ``prompt_logprobs`` (on the first piece
+    when asked, else None)."""
+
+    logprobs: list
+    prompt_logprobs: Optional[list]
 
 
 class _End:
@@ -85,7 +104,8 @@ class RequestState:
 
     __slots__ = ("rid", "params", "stops", "min_tokens", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
                  "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
-                 "abandoned", "cached_tokens", "error", "token_ids")
+                 "abandoned", "cached_tokens", "error", "token_ids", "logprobs", "prompt_logprobs",
+                 "lp_unsent", "plp_unsent")
 
     def __init__(self, rid: int, params, submit: float, sink: Optional[queue.SimpleQueue]):
         self.rid = rid
@@ -112,6 +132,11 @@ class RequestState:
         self.cached_tokens = 0
         self.error: Optional[BaseException] = None
         self.token_ids: list[int] = []
+        asked = getattr(params, "logprobs", None) is not None or getattr(params, "prompt_logprobs", None) is not None
+        self.logprobs: Optional[list] = [] if asked else None  # None: pieces are plain strings
+        self.prompt_logprobs: Optional[list] = None
+        self.lp_unsent = 0  # logprobs not yet sent with a piece (the last ones of ``logprobs``)
+        self.plp_unsent = False
 
     @property
     def text(self) -> str:
@@ -122,7 +147,7 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.rid, self.text, self.prompt_tokens, self.output_tokens, self.finish_reason,
-                             self.ts, self.cached_tokens, self.token_ids)
+                             self.ts, self.cached_tokens, self.token_ids, self.logprobs, self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -144,9 +169,11 @@ class OutputProcessor:
         req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
 
     def process(self, tokens: dict[int, int], finished: list[int], now: float,
-                requests: dict[int, RequestState], lock: threading.Lock) -> None:
+                requests: dict[int, RequestState], lock: threading.Lock, logprobs: Optional[dict] = None,
+                prompt_logprobs: Optional[dict] = None) -> None:
         """One step's output: ``tokens`` {request id: token}, ``finished`` the ids the scheduler
-        finished in it; ``requests`` (guarded by ``lock``) maps ids to their states."""
+        finished in it; ``requests`` (guarded by ``lock``) maps ids to their states; ``logprobs``
+        and ``prompt_logprobs`` the scheduler's ``step_logprobs`` / ``step_prompt_logprobs``."""
         stages = self.stages
         with stages.range("detokenize_fanout", len(tokens)):
             with lock:  # one acquisition per step
@@ -173,6 +200,8 @@ class OutputProcessor:
                             req.cached_tokens = seq.num_cached_tokens
                     if record:
                         req.ts.token_times.append(now)
+                    if req.logprobs is not None:
+                        self._add_logprobs(req, logprobs, prompt_logprobs)
                     piece = req.detok.push(tok)
                     req.pending_tokens += 1
                     if req.stops and piece and req.output_tokens > req.min_tokens:
@@ -204,6 +233,17 @@ class OutputProcessor:
                 except Exception as e:
                     self.request_failed(req, e)
 
+    @staticmethod
+    def _add_logprobs(req: RequestState, logprobs: Optional[dict], prompt_logprobs: Optional[dict]) -> None:
+        entry = logprobs.get(req.rid) if logprobs else None
+        if entry is not None:
+            req.logprobs.append(entry)
+            req.lp_unsent += 1
+        plp = prompt_logprobs.get(req.rid) if prompt_logprobs else None
+        if plp is not None:
+            req.prompt_logprobs = plp
+            req.plp_unsent = True
+
     def _finish(self, req: RequestState, seq, now: float, stopped: bool = False) -> None:
         """Send a finished request's last text and end its stream. Text still held in the
         detokenizer (an unfinished character) is checked for stop strings too."""
@@ -229,16 +269,25 @@ class OutputProcessor:
     def _flush(self, req: RequestState, now: float, final: bool = False) -> None:
         unsent = req.unsent
         upto = len(unsent) if final else len(unsent) - req.holdback
-        if upto > 0:
-            piece = unsent[:upto]
-            req.unsent = unsent[upto:]
+        if upto > 0 or (final and req.logprobs is not None and (req.lp_unsent or req.plp_unsent)):
+            piece = unsent[:upto] if upto > 0 else ""
+            req.unsent = unsent[upto:] if upto > 0 else unsent
             req.parts.append(piece)
-            req.sent += upto
-            self._put(req, piece)
+            req.sent += len(piece)
+            self._put(req, piece if req.logprobs is None else self._with_logprobs(req, piece))
             if self.record_timestamps:
                 req.ts.flush_times.append(now)
                 req.ts.flush_tokens.append(req.pending_tokens)
             req.pending_tokens = 0
+
+    @staticmethod
+    def _with_logprobs(req: RequestState, text: str) -> TextPiece:
+        piece = TextPiece(text)
+        n = req.lp_unsent
+        piece.logprobs = req.logprobs[len(req.logprobs) - n:] if n else []
+        piece.prompt_logprobs = req.prompt_logprobs if req.plp_unsent else None
+        req.lp_unsent, req.plp_unsent = 0, False
+        return piece
 
     # --- ending a stream --------------------------------------------------------------------
     def request_failed(self, req: RequestState, cause: Optional[BaseException], in_scheduler: bool = True) -> None:

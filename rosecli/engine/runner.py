@@ -29,6 +29,7 @@ from rosecli.engine.block_manager import slot_of, slots_of
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from rosecli.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, pick, prompt_logprobs, row_logprobs, unpack
 from rosecli.engine.sampling_state import SamplerState
 from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
@@ -100,12 +101,14 @@ class _Staging:
 
 
 class DecodeLaunch:
-    """A decode step launched on the device; `ModelRunner.collect` returns its sampled ids."""
+    """A decode step launched on the device; `ModelRunner.collect` returns its sampled ids and
+    fills ``logprobs`` {request id: `TokenLogprobs`} for the requests that asked."""
 
-    __slots__ = ("seqs", "out", "event")
+    __slots__ = ("seqs", "out", "event", "lp", "logprobs")
 
-    def __init__(self, seqs, out, event):
-        self.seqs, self.out, self.event = seqs, out, event
+    def __init__(self, seqs, out, event, lp=None):
+        self.seqs, self.out, self.event, self.lp = seqs, out, event, lp
+        self.logprobs: dict[int, TokenLogprobs] = {}
 
 
 def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
@@ -155,6 +158,12 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []  # set by the scheduler: what min_tokens holds back with stop ids
         self._slots: dict[int, int] = {}  # request id -> sampling slot, from its first sampled token
         self._special: set[int] = set()  # request ids whose sampling is not plain greedy
+        self._logprob_ids: set[int] = set()  # request ids that asked for logprobs
+        self._lp_step = None  # this step's logprobs on the device: (rows, ks, packed), for _fetch
+        self._h_lp: list = [None, None]  # pinned host buffers for them (CUDA), made on first use
+        # the last prefill's prompt logprobs: {request id: (first position, [TokenLogprobs ...])}
+        self.prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        self.prefill_logprobs: dict[int, TokenLogprobs] = {}  # the last prefill's sampled tokens'
         self.num_blocks = self._decide_num_blocks()
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
@@ -364,6 +373,18 @@ class ModelRunner:
         start, end = _Staging.copied_span(self.max_batch_size, self.max_blocks_per_seq, rows)
         self.dev_staging.buf[start:end].copy_(staging.buf[start:end], non_blocking=True)
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src -> dst`` in every layer (the choices of an ``n`` > 1 request each
+        get their own copy of the prompt's last, partly filled block)."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long).to(self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long).to(self.device)
+        for attn in self.model.attention_layers():
+            for cache in (attn.k_cache, attn.v_cache):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
     def _pad_rows(self, st: _Staging, start: int, end: int) -> None:
         """Padding rows of a graph's batch: a dummy token, no KV store, a one-token context."""
         mb = self.max_batch_size
@@ -469,7 +490,12 @@ class ModelRunner:
         with self.stages.range("d2h_copy", len(launch.seqs)):
             if launch.event is not None:
                 launch.event.synchronize()
-            return launch.out[:len(launch.seqs)].tolist()
+            ids = launch.out[:len(launch.seqs)].tolist()
+            if launch.lp is not None:
+                rows, ks, host = launch.lp
+                entries = unpack(host, [ids[i] for i in rows], ks)
+                launch.logprobs = {launch.seqs[i].request_id: e for i, e in zip(rows, entries)}
+            return ids
 
     @torch.inference_mode()
     def rerun_decode(self, batch: int, max_context_len: int, eager: bool = False) -> bool:
@@ -496,8 +522,32 @@ class ModelRunner:
         for s in seqs:
             if s.request_id not in slots:
                 self._acquire(s)
+        lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
+        ids = self._sample_ids(seqs, logits, greedy, flip, static)
+        if lp is not None:
+            rows, ks, rows_t, lp = lp
+            self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
+        return ids
+
+    def _raw_logprobs(self, seqs: list[Sequence], logits: torch.Tensor):
+        """log_softmax of the raw logits of the rows whose request asked for logprobs (taken before
+        the sampler changes the logits in place): (rows, their k, rows on the device or None for
+        all, [R, V]); None when no row asked."""
+        asked = self._logprob_ids
+        rows = [i for i, s in enumerate(seqs) if s.request_id in asked]
+        if not rows:
+            return None
+        ks = [seqs[i].params.logprobs for i in rows]
+        if len(rows) == len(seqs):
+            return rows, ks, None, row_logprobs(logits)
+        rows_t = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=self.is_cuda)
+        return rows, ks, rows_t, row_logprobs(logits.index_select(0, rows_t))
+
+    def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
+                    flip: int, static: bool) -> torch.Tensor:
         if not self._special:
             return greedy if greedy is not None else logits.argmax(dim=-1)
+        slots = self._slots
         st = self.sampler
         batch = len(seqs)
         h = self._np_slot_rows[flip]
@@ -544,22 +594,38 @@ class ModelRunner:
                                                            output_ids=out, stop_ids=stop_ids)
         if not _plain_greedy(p, bool(stop_ids)):
             self._special.add(seq.request_id)
+        if p.logprobs is not None:
+            self._logprob_ids.add(seq.request_id)
 
     def _fetch(self, ids: torch.Tensor, batch: int, flip: int):
-        """Start the device-to-host copy of sampled ids; returns (numpy view, event or None)."""
+        """Start the device-to-host copy of sampled ids (and of the step's logprobs, if a row
+        asked); returns (numpy view, event or None, logprobs (rows, ks, host tensor) or None)."""
+        lp, self._lp_step = self._lp_step, None
         if not self.is_cuda:
             out = self.np_sampled[flip]
             out[:batch] = ids.numpy()
-            return out, None
+            return out, None, lp
         self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
+        if lp is not None:
+            rows, ks, packed = lp
+            if self._h_lp[flip] is None:
+                self._h_lp[flip] = torch.empty(len(self.h_sampled[flip]) * (1 + 2 * MAX_LOGPROBS),
+                                               dtype=torch.float32, pin_memory=True)
+            host = self._h_lp[flip][:packed.numel()].view(packed.shape)
+            host.copy_(packed, non_blocking=True)
+            lp = (rows, ks, host)
         event = self._events[flip]
         event.record()
-        return self.np_sampled[flip], event
+        return self.np_sampled[flip], event, lp
 
     def _execute_prefill(self, plan: StepPlan) -> list[Optional[int]]:
         stages = self.stages
         bs = self.block_size
         seqs, num_new_tokens = plan.seqs, plan.num_new_tokens
+        forks = plan.forks or {}
+        picked: list[Sequence] = []
+        out_at: list[int] = []  # where each sampled token goes: seqs' places, then the forks' in order
+        n_forks = 0
         with stages.range("prepare_inputs", sum(num_new_tokens)):
             input_ids: list[int] = []
             positions: list[int] = []
@@ -567,7 +633,6 @@ class ModelRunner:
             cu = [0]
             ctx_lens: list[int] = []
             last_rows: list[int] = []
-            sample_idx: list[int] = []
             has_prefix = False
             for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
                 start = s.num_computed_tokens
@@ -580,7 +645,13 @@ class ModelRunner:
                 ctx_lens.append(end)
                 if end == len(s.token_ids):
                     last_rows.append(cu[-1] - 1)
-                    sample_idx.append(i)
+                    picked.append(s)
+                    out_at.append(i)
+                    for f in forks.get(i, ()):  # the request's other choices sample from the same logits
+                        last_rows.append(cu[-1] - 1)
+                        picked.append(f)
+                        n_forks += 1
+                        out_at.append(len(seqs) + n_forks - 1)
             width = max(len(s.block_table) for s in seqs)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
         with stages.range("h2d_copy", len(input_ids)):
@@ -597,19 +668,35 @@ class ModelRunner:
             pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
         with stages.range("prefill_forward", len(input_ids)):
             hidden = self.model(ids_t, pos_t, meta)
-            out: list[Optional[int]] = [None] * len(seqs)
-            if not sample_idx:
+            self.prompt_logprobs, self.prefill_logprobs = {}, {}
+            for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
+                if s.params.prompt_logprobs is not None and not s.num_output_tokens:  # (not when recomputed)
+                    self._prompt_logprobs(s, s.num_computed_tokens, n, cu[i], hidden)
+            out: list[Optional[int]] = [None] * len(out_at)
+            if not picked:
                 return out
             rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-        picked = [seqs[i] for i in sample_idx]
         flip = self._next_buffers()
         with self.stages.range("sampling", len(picked)):
             ids = self._sample(picked, logits, None, flip)
-        sampled = self.collect(DecodeLaunch(picked, *self._fetch(ids, len(picked), flip)))
-        for i, tok in zip(sample_idx, sampled):
-            out[i] = tok
+        launch = DecodeLaunch(picked, *self._fetch(ids, len(picked), flip))
+        sampled = self.collect(launch)
+        self.prefill_logprobs = launch.logprobs
+        for at, tok in zip(out_at, sampled):
+            out[at] = tok
         return out
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, n: int, first_row: int, hidden: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens this chunk's logits predict (positions ``start + 1`` up
+        to the prompt's last), into ``prompt_logprobs``."""
+        first, last = start + 1, min(start + n, seq.num_prompt_tokens - 1)
+        if first > last:
+            return
+        rows = [first_row + t - 1 - start for t in range(first, last + 1)]
+        entries = prompt_logprobs(hidden, self.model.compute_logits, rows, seq.token_ids[first:last + 1],
+                                  seq.params.prompt_logprobs)
+        self.prompt_logprobs[seq.request_id] = (first, entries)
 
     def add_request(self, seq: Sequence) -> None:
         """Check what the sampler will be given when the request is added, so that a bad value
@@ -625,6 +712,7 @@ class ModelRunner:
         if slot is not None:
             self.sampler.release(slot)
         self._special.discard(seq.request_id)
+        self._logprob_ids.discard(seq.request_id)
 
     def close(self) -> None:
         self.graphs.clear()

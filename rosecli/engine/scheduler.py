@@ -26,6 +26,16 @@ that stops on EOS at step N has its step-N+1 token dropped; so does one that the
 finishes (``finish_request``) on a stop string it found in step N's text, before the next ``step()``.
 Prefill steps and preemption never overlap: the step in flight is read first.
 
+Choices (``n`` > 1, `add_group`): the first choice is the leader, queued as any request; the
+others wait attached to it (counted at its admission, with a KV block each for a copy of the
+prompt's last, partly filled block). The prompt is prefilled once, by the leader; the step that
+completes it samples every choice's first token from the same logits, then the others fork:
+they share the prompt's full KV blocks (reference counts) and go on as independent sequences.
+
+Logprobs, for the requests that asked, come next to the step's tokens: ``step_logprobs`` {request
+id: `TokenLogprobs`} and, with a request's first token, ``step_prompt_logprobs`` {request id:
+[None, `TokenLogprobs` of each later prompt token]}, both replaced at every step.
+
 The scheduler holds token and block state only: prompts arrive as checked token ids
 (`rosecli.engine.inputs`), and text, stop strings and finish text are the output processor's
 (`rosecli.engine.outputs`).
@@ -40,6 +50,7 @@ from typing import Callable, Optional, Union
 from rosecli.engine.block_manager import BlockManager
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import RequestError
+from rosecli.engine.logprobs import TokenLogprobs
 from rosecli.engine.runner import DecodeLaunch, ModelRunner
 from rosecli.engine.sequence import PENDING, FinishReason, Sequence, SequenceStatus
 from rosecli.engine.stages import Stages
@@ -75,6 +86,11 @@ class Scheduler:
         self._inflight: Optional[DecodeLaunch] = None  # decode step launched, tokens not read yet
         self.num_preemptions = 0
         self.finish_counts: dict[str, int] = {}
+        self.num_prefill_tokens = 0  # tokens computed by prefill steps (prompts, and recomputation)
+        self._forks: dict[int, list[Sequence]] = {}  # leader's request id -> its other choices, until they fork
+        self._prompt_lp: dict[int, dict[int, TokenLogprobs]] = {}  # prompt logprobs by position, until the first token
+        self.step_logprobs: dict[int, TokenLogprobs] = {}
+        self.step_prompt_logprobs: dict[int, list[Optional[TokenLogprobs]]] = {}
 
     # --- requests ---------------------------------------------------------------------------
     def add_request(self, token_ids: list[int], params: Optional[SamplingParams] = None,
@@ -95,6 +111,41 @@ class Scheduler:
         self.seqs[request_id] = seq
         self.waiting.append(seq)
         return request_id
+
+    def check_group(self, n: int, num_prompt_tokens: int) -> None:
+        """Whether ``n`` choices of a prompt can ever run together (any thread: reads the config
+        only); a RequestError naming ``n`` otherwise."""
+        bm = self.block_manager
+        rows = min(self.max_active, max(self.config.max_batch_size, self.config.prefill_max_batch_size))
+        if n > rows:
+            raise RequestError(f"n={n} is more choices than this engine runs at once ({rows}: --max-batch-size / "
+                               "--max-active-requests)", "n")
+        need = bm.blocks_needed(num_prompt_tokens + 1) + n - 1
+        if need > bm.num_blocks:
+            raise RequestError(f"n={n}: the prompt's {num_prompt_tokens} tokens and a block for each choice need "
+                               f"{need} KV blocks, the whole KV cache has {bm.num_blocks}", "n")
+
+    def add_group(self, token_ids: list[int], params: list[SamplingParams], request_ids: list[int]) -> list[int]:
+        """Queue the choices of one prompt (one `SamplingParams` and request id each): the prompt is
+        prefilled once and its KV shared (module doc)."""
+        self.check_group(len(params), len(token_ids))
+        leader = self.add_request(token_ids, params[0], request_ids[0])
+        followers = []
+        try:
+            for p, rid in zip(params[1:], request_ids[1:]):
+                if rid in self.seqs:
+                    raise RequestError(f"request id {rid} is already in use")
+                seq = Sequence(rid, list(token_ids), p, self.seqs[leader].arrival_index)
+                self.runner.add_request(seq)
+                followers.append(seq)
+        except BaseException:
+            self.finish_request(leader, FinishReason.ERROR)
+            raise
+        for seq in followers:
+            self.seqs[seq.request_id] = seq
+        if followers:
+            self._forks[leader] = followers
+        return [leader] + [s.request_id for s in followers]
 
     def has_unfinished(self) -> bool:
         # a step in flight holding only finished sequences needs no reading: their tokens are dropped
@@ -137,6 +188,10 @@ class Scheduler:
         """Run one prefill or decode step; return the token each request produced in it (with
         overlap, a decode step's tokens come back from the next call)."""
         with self.stages.range("scheduler_step"):
+            if self.step_logprobs:
+                self.step_logprobs = {}
+            if self.step_prompt_logprobs:
+                self.step_prompt_logprobs = {}
             if self._inflight is not None:
                 return self._step_overlapped()
             can_prefill = bool(self.prefilling or self.waiting)
@@ -179,19 +234,35 @@ class Scheduler:
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 
     def _can_admit(self, seq: Sequence) -> bool:
-        """FCFS admission of the queue's head: room in the active set and KV blocks for its prompt."""
-        return (len(self.prefilling) + len(self.running) < self.max_active
-                and self.block_manager.can_allocate(seq))
+        """FCFS admission of the queue's head: room in the active set and KV blocks for its prompt
+        (with its other choices, and a block each for their copy of a partly filled last block)."""
+        forks = self._forks.get(seq.request_id, ()) if self._forks else ()
+        active = len(self.prefilling) + len(self.running)
+        if self._forks:
+            active += sum(len(self._forks.get(s.request_id, ())) for s in self.prefilling)
+        reserve = len(forks) if len(seq.token_ids) % self.block_manager.block_size else 0
+        return active + len(forks) < self.max_active and self.block_manager.can_allocate(seq, reserve)
+
+    def _sample_rows(self, seq: Sequence, n: int) -> int:
+        """Rows a prefill chunk of ``n`` tokens of ``seq`` samples: none, one, or one per choice."""
+        if n < seq.num_uncomputed_tokens:
+            return 0
+        return 1 + (len(self._forks.get(seq.request_id, ())) if self._forks else 0)
 
     def _schedule_prefill(self) -> Optional[StepPlan]:
         cfg = self.config
         budget = cfg.prefill_max_tokens
         batch: list[Sequence] = []
         chunks: list[int] = []
+        # the runner samples at most this many rows a step (choices of n > 1 are a row each)
+        max_rows, rows = max(cfg.prefill_max_batch_size, cfg.max_batch_size), 0
         for seq in self.prefilling:  # continue chunked prompts first, in admission order
             if budget <= 0 or len(batch) >= cfg.prefill_max_batch_size:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
+            if self._forks and rows + self._sample_rows(seq, n) > max_rows:
+                break
+            rows += self._sample_rows(seq, n)
             batch.append(seq)
             chunks.append(n)
             budget -= n
@@ -199,6 +270,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(batch) < cfg.prefill_max_batch_size:
             seq = self.waiting[0]
             if not self._can_admit(seq):
+                break
+            if self._forks and rows + self._sample_rows(seq, min(seq.num_uncomputed_tokens, budget)) > max_rows:
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq)
@@ -208,10 +281,17 @@ class Scheduler:
                 seq.admitted_at = now
             self.prefilling.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
+            rows += self._sample_rows(seq, n)
             batch.append(seq)
             chunks.append(n)
             budget -= n
-        return StepPlan.prefill(batch, chunks) if batch else None
+        if not batch:
+            return None
+        forks = None
+        if self._forks:
+            forks = {i: self._forks[s.request_id] for i, (s, n) in enumerate(zip(batch, chunks))
+                     if s.request_id in self._forks and n == s.num_uncomputed_tokens} or None
+        return StepPlan.prefill(batch, chunks, forks)
 
     def _schedule_decode(self, allow_preempt: bool) -> Optional[StepPlan]:
         """The next decode step, with a slot for each new token; None when nothing can decode or,
@@ -267,11 +347,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _run_prefill(self, plan: StepPlan) -> dict[int, int]:
-        sampled = self.runner.execute(plan)
+        runner = self.runner
+        sampled = runner.execute(plan)
         out: dict[int, int] = {}
         bm = self.block_manager
         cache = bm.enable_prefix_cache
-        for seq, n, token in zip(plan.seqs, plan.num_new_tokens, sampled):
+        forks = plan.forks or {}
+        if runner.prompt_logprobs:
+            self._gather_prompt_logprobs(plan.seqs, runner.prompt_logprobs)
+        self.num_prefill_tokens += sum(plan.num_new_tokens)
+        for i, (seq, n, token) in enumerate(zip(plan.seqs, plan.num_new_tokens, sampled)):
             seq.num_computed_tokens += n
             if cache:
                 bm.commit_full_blocks(seq)
@@ -279,9 +364,48 @@ class Scheduler:
                 continue  # a chunk of a longer prompt
             self.prefilling.remove(seq)
             self.running.append(seq)
-            seq.token_ids.append(token)
-            self._accept(seq, token, len(seq.token_ids), out)
+            if i in forks:
+                self._fork(seq, forks[i])
+            self._first_token(seq, token, out)
+        children = [c for i in sorted(forks) for c in forks[i]]
+        for child, token in zip(children, sampled[len(plan.seqs):]):
+            self._first_token(child, token, out)
         return out
+
+    def _first_token(self, seq: Sequence, token: int, out: dict[int, int]) -> None:
+        lp = self.runner.prefill_logprobs.get(seq.request_id) if self.runner.prefill_logprobs else None
+        if lp is not None:
+            self.step_logprobs[seq.request_id] = lp
+        if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 0:
+            got = self._prompt_lp.pop(seq.request_id, {})
+            self.step_prompt_logprobs[seq.request_id] = [None] + [got.get(t) for t in range(1, seq.num_prompt_tokens)]
+        seq.token_ids.append(token)
+        self._accept(seq, token, len(seq.token_ids), out)
+
+    def _gather_prompt_logprobs(self, seqs: list[Sequence], computed: dict) -> None:
+        """Keep a chunk's prompt logprobs until the request's first token (not again for a request
+        recomputed after preemption: its caller has them)."""
+        for seq in seqs:
+            got = computed.get(seq.request_id)
+            if got is not None and seq.num_output_tokens == 0:
+                first, entries = got
+                acc = self._prompt_lp.setdefault(seq.request_id, {})
+                for j, e in enumerate(entries):
+                    acc[first + j] = e
+
+    def _fork(self, leader: Sequence, children: list[Sequence]) -> None:
+        """The leader's prompt is computed: its other choices take its KV (module doc)."""
+        del self._forks[leader.request_id]
+        bm = self.block_manager
+        pairs = [pair for c in children if (pair := bm.fork(leader, c)) is not None]
+        self.runner.copy_blocks(pairs)
+        lp = self._prompt_lp.get(leader.request_id)
+        for c in children:
+            c.status = SequenceStatus.RUNNING
+            c.admitted_at = leader.admitted_at
+            self.running.append(c)
+            if lp is not None:
+                self._prompt_lp[c.request_id] = lp
 
     def _launch_decode(self, plan: StepPlan) -> DecodeLaunch:
         launch = self.runner.launch_decode(plan)
@@ -293,6 +417,7 @@ class Scheduler:
         """Fill in a launched decode step's tokens; a sequence that finished meanwhile (a stop in
         the step before, or discarded) drops its token."""
         sampled = self.runner.collect(launch)
+        lps = launch.logprobs
         out: dict[int, int] = {}
         bm = self.block_manager
         cache = bm.enable_prefix_cache
@@ -307,6 +432,8 @@ class Scheduler:
             seq.num_computed_tokens += 1
             if cache and fills_block(seq):
                 bm.commit_full_blocks(seq)
+            if lps and seq.request_id in lps:
+                self.step_logprobs[seq.request_id] = lps[seq.request_id]
             self._accept(seq, token, index + 1, out)
         return out
 
@@ -346,8 +473,28 @@ class Scheduler:
             except ValueError:
                 pass
         self.finish_counts[reason.value] = self.finish_counts.get(reason.value, 0) + 1
+        if self._forks:
+            self._unlink_choice(seq)
+        self._prompt_lp.pop(seq.request_id, None)
         if announce:
             self._finished_ids.append(seq.request_id)
+
+    def _unlink_choice(self, seq: Sequence) -> None:
+        """A choice that ends before its fork leaves its group; a leader that does hands the
+        prompt to the next choice, which is queued at the head in its place."""
+        followers = self._forks.pop(seq.request_id, None)
+        if followers:
+            leader, rest = followers[0], followers[1:]
+            if rest:
+                self._forks[leader.request_id] = rest
+            self.waiting.appendleft(leader)
+            return
+        for rid, group in list(self._forks.items()):
+            if seq in group:
+                group.remove(seq)
+                if not group:
+                    del self._forks[rid]
+                return
 
     # --- offline ----------------------------------------------------------------------------
     def run_to_completion(self, prompts: list[list[int]],

@@ -15,18 +15,25 @@ class StepPlan:
     one token of each sequence, its last, which may be `PENDING` (sampled by the decode step in
     flight and read from that step's output on the device). Either way every token computed
     already has a KV slot in its sequence's block table.
+
+    ``forks`` (prefill): {index in ``seqs``: the other choices of that ``n`` > 1 request}, for a
+    sequence whose prompt this step completes; each gets a token sampled from the same logits,
+    returned after ``seqs``' own, in order.
     """
 
-    __slots__ = ("is_prefill", "seqs", "num_new_tokens")
+    __slots__ = ("is_prefill", "seqs", "num_new_tokens", "forks")
 
-    def __init__(self, is_prefill: bool, seqs: list[Sequence], num_new_tokens: Optional[list[int]] = None):
+    def __init__(self, is_prefill: bool, seqs: list[Sequence], num_new_tokens: Optional[list[int]] = None,
+                 forks: Optional[dict[int, list[Sequence]]] = None):
         self.is_prefill = is_prefill
         self.seqs = seqs
         self.num_new_tokens = num_new_tokens
+        self.forks = forks
 
     @classmethod
-    def prefill(cls, seqs: list[Sequence], num_new_tokens: list[int]) -> "StepPlan":
-        return cls(True, seqs, num_new_tokens)
+    def prefill(cls, seqs: list[Sequence], num_new_tokens: list[int],
+                forks: Optional[dict[int, list[Sequence]]] = None) -> "StepPlan":
+        return cls(True, seqs, num_new_tokens, forks)
 
     @classmethod
     def decode(cls, seqs: list[Sequence]) -> "StepPlan":

@@ -88,7 +88,7 @@ class StreamingManager:
         self._requests: dict[int, RequestState] = {}
         self.outputs = OutputProcessor(engine.tokenizer, self.scheduler, self.stages, self.stream_interval,
                                        record_timestamps, on_end=lambda req: self._release_slot())
-        self._inbox: deque = deque()  # ("add", rid, ids, params) | ("discard", rid, request) | ("call", fn, ...)
+        self._inbox: deque = deque()  # ("add", rid, ids, params) | ("group", rids, ids, [params]) | ("discard", rid, request) | ("call", fn, ...)
         self._ids = itertools.count()
         self._inflight = 0
         self._room = threading.Condition(threading.Lock())
@@ -158,6 +158,45 @@ class StreamingManager:
         else:
             self._tokenizer_pool.submit(self._tokenize, req, prompt)
         return rid
+
+    def add_choices(self, prompt: Union[str, list[int]], params: list[SamplingParams], wait: bool = True,
+                    timeout: Optional[float] = None, sink: Optional[queue.SimpleQueue] = None) -> list[int]:
+        """Submit ``len(params)`` choices of one prompt (OpenAI's ``n``), one request id each (in
+        order), as ``add_request`` does one: the prompt is tokenized and prefilled once and its KV
+        shared (`Scheduler.add_group`). Each takes a place of ``max_inflight_requests``. Raises
+        RequestError (``param`` "n") when so many choices can never run together."""
+        submit = time.perf_counter()
+        if self.error is not None or self._stop:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
+        if not params:
+            raise RequestError("n must be at least 1", "n")
+        token_ids = self.inputs.process(prompt, params[0])
+        for p in params[1:]:
+            self.inputs.check_params(p)
+        self.scheduler.check_group(len(params), len(token_ids))
+        taken = 0
+        try:
+            for _ in params:
+                self._acquire_slot(wait, timeout)
+                taken += 1
+        except BaseException:
+            for _ in range(taken):
+                self._release_slot()
+            raise
+        reqs = [RequestState(next(self._ids), p, submit, sink) for p in params]
+        with self._lock:
+            dead = self.error is not None or self._stop
+            if not dead:
+                for req in reqs:
+                    req.prompt_tokens = len(token_ids)
+                    self._requests[req.rid] = req
+                self._inbox.append(("group", [r.rid for r in reqs], token_ids, params))
+                self._wake.notify()
+        if dead:
+            for _ in reqs:
+                self._release_slot()
+            raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
+        return [r.rid for r in reqs]
 
     def _acquire_slot(self, wait: bool, timeout: Optional[float]) -> None:
         if self.max_inflight is None:
@@ -281,6 +320,7 @@ class StreamingManager:
                 "inflight": self._inflight, "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
                 "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
                 "prefix_cache_queried_tokens": bm.prefix_queried_tokens, "preemptions": s.num_preemptions,
+                "prefill_tokens": s.num_prefill_tokens,
                 "finish_counts": dict(s.finish_counts)}
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
@@ -375,6 +415,9 @@ class StreamingManager:
                 req.finish_reason = "abort"
                 self.outputs.close(req)
             return
+        if item[0] == "group":
+            self._admit_group(*item[1:])
+            return
         _, rid, token_ids, params = item
         with self._lock:
             req = self._requests.get(rid)
@@ -388,6 +431,23 @@ class StreamingManager:
         except Exception as e:  # building this request's state failed: it alone fails
             self.outputs.request_failed(req, e)
 
+    def _admit_group(self, rids: list[int], token_ids: list[int], params: list[SamplingParams]) -> None:
+        with self._lock:
+            reqs = [self._requests.get(rid) for rid in rids]
+        live = [(req, p) for req, p in zip(reqs, params) if req is not None and not req.abandoned]
+        if not live:
+            return
+        try:
+            self.scheduler.add_group(token_ids, [p for _, p in live], [req.rid for req, _ in live])
+            for req, _ in live:
+                self.outputs.start(req, token_ids)
+        except RequestError as e:
+            for req, _ in live:
+                self.outputs.fail(req, e)
+        except Exception as e:
+            for req, _ in live:
+                self.outputs.request_failed(req, e)
+
     def _step(self) -> None:
         sched = self.scheduler
         start = time.perf_counter()
@@ -397,7 +457,8 @@ class StreamingManager:
             self.decode_s += end - (self._step_end or start)
         self._step_end = end if sched.has_unfinished() else None
         self.generated_tokens += len(tokens)
-        finished = self.scheduler.pop_finished_ids()
+        finished = sched.pop_finished_ids()
         if not tokens and not finished:
             return
-        self.outputs.process(tokens, finished, time.perf_counter(), self._requests, self._lock)
+        self.outputs.process(tokens, finished, time.perf_counter(), self._requests, self._lock,
+                             sched.step_logprobs, sched.step_prompt_logprobs)

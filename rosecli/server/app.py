@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rosecli.engine.errors import OverloadedError, RequestError, RoseError
+from rosecli.engine.logprobs import TokenText
 from rosecli.engine.streaming import END, EngineDeadError
 from rosecli.server import protocol as p
 from rosecli.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -88,12 +89,14 @@ def _error_response(e: p.APIError, close: bool = False) -> JSONResponse:
 
 
 class _Bridge:
-    """Carries ``(request_id, piece)`` items from the engine worker to per-request asyncio queues."""
+    """Carries ``(request_id, piece)`` items from the engine worker to asyncio queues, as
+    ``(choice index, piece)``: the choices of one HTTP request (``n``) share one queue."""
 
     def __init__(self, manager, on_engine_dead: Callable[[], None]):
         self.manager = manager
         self.sink: queue.SimpleQueue = queue.SimpleQueue()
         self.queues: dict[int, asyncio.Queue] = {}
+        self.index: dict[int, int] = {}  # request id -> its choice index
         self.on_end: dict[int, Callable[[], None]] = {}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.engine_dead = False
@@ -108,12 +111,22 @@ class _Bridge:
         self.sink.put(None)
         self._thread.join(timeout=5)
 
-    def open(self, rid: int, on_end: Optional[Callable[[], None]] = None) -> asyncio.Queue:
-        """Call on the loop right after ``add_request`` (no await between: no piece can be missed)."""
+    def open(self, rids: list[int], on_end: Optional[Callable[[], None]] = None) -> asyncio.Queue:
+        """Call on the loop right after ``add_request`` / ``add_choices`` (no await between: no
+        piece can be missed). ``on_end`` is called once every choice has ended."""
         q: asyncio.Queue = asyncio.Queue()
-        self.queues[rid] = q
-        if on_end is not None:
-            self.on_end[rid] = on_end
+        left = [len(rids)]
+
+        def one_ended() -> None:
+            left[0] -= 1
+            if not left[0]:
+                on_end()
+
+        for i, rid in enumerate(rids):
+            self.queues[rid] = q
+            self.index[rid] = i
+            if on_end is not None:
+                self.on_end[rid] = one_ended
         return q
 
     def _run(self) -> None:
@@ -143,12 +156,13 @@ class _Bridge:
             q = self.queues.get(rid)
             if q is None:
                 continue
-            q.put_nowait(item)
+            q.put_nowait((self.index[rid], item))
             if item is END:
                 self._close(rid)
 
     def _close(self, rid: int) -> None:
         self.queues.pop(rid, None)
+        self.index.pop(rid, None)
         release = self.on_end.pop(rid, None)
         if release is not None:
             release()
@@ -162,7 +176,7 @@ class _Bridge:
     def _end_all(self) -> None:
         """A request added while the worker was dying may never get its END: end it here."""
         for rid, q in list(self.queues.items()):
-            q.put_nowait(END)
+            q.put_nowait((self.index[rid], END))
             self._close(rid)
 
 
@@ -276,6 +290,64 @@ async def _wait_disconnect(receive, on_gone: Callable[[], None]) -> None:
             return
 
 
+class _Choices:
+    """The choices of one generation request (``n``): their request ids, which have ended, their
+    outputs, and their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
+
+    def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[int],
+                 echo: Optional[str]):
+        self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
+        self.ended = [False] * len(rids)
+        self.outputs: list = [None] * len(rids)
+        self.echo = echo or None  # the prompt's text, until it is sent
+        self.echoed = [self.echo is None] * len(rids)
+        self.formats = ([p.LogprobsFormat(env.chat, server.token_text()) for _ in rids]
+                        if params.logprobs is not None else None)
+
+    def open_rids(self) -> list[int]:
+        return [rid for rid, ended in zip(self.rids, self.ended) if not ended]
+
+    def _text_and_logprobs(self, i: int, text: str, entries: list, prompt_logprobs) -> tuple[str, Optional[dict]]:
+        """The text of choice i's next chunk (the echoed prompt first) and its logprobs."""
+        echo = not self.echoed[i]
+        self.echoed[i] = True
+        if self.formats is None:
+            return (self.echo + text if echo else text), None
+        if echo:
+            return self.echo + text, self.formats[i](entries, self.prompt_ids, prompt_logprobs)
+        return text, self.formats[i](entries)
+
+    def piece_event(self, i: int, piece: str, include_usage: bool) -> str:
+        """The SSE event of choice i's next piece (plain text: from the envelope's template)."""
+        if self.formats is None and self.echoed[i]:
+            return self.env.text_event(piece, include_usage, i)
+        return _sse(self.piece_chunk(i, piece, include_usage))
+
+    def piece_chunk(self, i: int, piece: str, include_usage: bool) -> dict:
+        text, lp = self._text_and_logprobs(i, piece, getattr(piece, "logprobs", []),
+                                           getattr(piece, "prompt_logprobs", None))
+        return self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp)
+
+    def final_chunk(self, i: int, include_usage: bool) -> dict:
+        out = self.outputs[i]
+        text, lp = None if self.env.chat else "", None
+        if not self.echoed[i]:  # no piece came: the prompt and the logprobs of whatever there was
+            text, lp = self._text_and_logprobs(i, "", out.logprobs or [], out.prompt_logprobs)
+        return self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason), include_usage=include_usage,
+                              index=i, logprobs=lp)
+
+    def usage(self) -> dict:
+        first = self.outputs[0]
+        return p.usage(first.prompt_tokens, sum(o.output_tokens for o in self.outputs), first.cached_tokens)
+
+    def response(self) -> dict:
+        choices = []
+        for i, o in enumerate(self.outputs):
+            text, lp = self._text_and_logprobs(i, o.text, o.logprobs or [], o.prompt_logprobs)
+            choices.append((text, p.finish_reason(o.finish_reason), lp))
+        return self.env.response(choices, self.usage())
+
+
 class _Server:
     """The state behind the routes of one app."""
 
@@ -304,6 +376,7 @@ class _Server:
         self.closing = False  # the shutdown timeout ran out: open requests are being ended
         self.profiler: Optional[tuple] = None  # (torch profiler, trace path, auto-stop timer)
         self.export_pool = ThreadPoolExecutor(1, thread_name_prefix="rose-server-profile-export")
+        self._token_text: Optional[TokenText] = None  # logprobs' token strings, made on first use
 
     def _engine_dead(self) -> None:
         if self.user_on_engine_dead is not None:
@@ -352,9 +425,9 @@ class _Server:
     async def tokenize(self, fn, arg) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
 
-    async def submit(self, ids: list[int], params, prompt_param: str) -> tuple[int, asyncio.Queue]:
-        """Hand the request to the manager, whose input processor checks the prompt (a 400 names
-        the field it is about)."""
+    async def submit(self, ids: list[int], params: list, prompt_param: str) -> tuple[list[int], asyncio.Queue]:
+        """Hand the request's choices (one `SamplingParams` each) to the manager, whose input
+        processor checks the prompt (a 400 names the field it is about)."""
         self.check_alive()
         if self.closing:
             raise p.shutting_down()
@@ -365,7 +438,10 @@ class _Server:
                 raise p.shutting_down()
             while True:
                 try:
-                    rid = self.manager.add_request(ids, params, wait=False, sink=self.bridge.sink)
+                    if len(params) == 1:
+                        rids = [self.manager.add_request(ids, params[0], wait=False, sink=self.bridge.sink)]
+                    else:
+                        rids = self.manager.add_choices(ids, params, wait=False, sink=self.bridge.sink)
                     break
                 except OverloadedError as e:
                     if self.overload != "wait":
@@ -383,7 +459,7 @@ class _Server:
         except BaseException:
             self._release_room()
             raise
-        return rid, self.bridge.open(rid, self._release_room if self.room is not None else None)
+        return rids, self.bridge.open(rids, self._release_room if self.room is not None else None)
 
     def _release_room(self) -> None:
         if self.room is not None:
@@ -437,17 +513,27 @@ class _Server:
             default_max = 16  # OpenAI's default for completions
         params = p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
                                    max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs)
-        rid, q = await self.submit(ids, params, prompt_param)
+        rids, q = await self.submit(ids, p.choice_params(params, req.num_choices), prompt_param)
         env = p.Envelope(chat, req.model or self.model_name)
+        out = _Choices(self, env, rids, params, ids, getattr(req, "echo", False) and self._echo_text(req, ids))
         headers = {"x-request-id": env.id}
         if req.stream:
-            return StreamingResponse(self._stream(rid, q, env, req.include_usage, arrival),
+            return StreamingResponse(self._stream(out, q, req.include_usage, arrival),
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, rid, q, env, arrival, headers)
+        return await self._complete(request, out, q, arrival, headers)
+
+    def _echo_text(self, req: p.CompletionRequest, ids: list[int]) -> str:
+        prompt = p.completion_prompt(req)
+        return prompt if isinstance(prompt, str) else self.inputs.tokenizer.decode(ids)
+
+    def token_text(self):
+        if self._token_text is None:
+            self._token_text = TokenText(self.inputs.tokenizer)
+        return self._token_text
 
     def _ended_early(self, rid: int, q: asyncio.Queue, why: _Ended) -> None:
-        q.put_nowait(why)
+        q.put_nowait((None, why))
         self.manager.abort(rid)
 
     def _stream_error(self, env: p.Envelope, e: p.APIError, finish: str, include_usage: bool) -> list[str]:
@@ -456,81 +542,87 @@ class _Server:
         return [_sse(env.chunk(text=None if env.chat else "", finish=finish, include_usage=include_usage)),
                 _sse(e.body()), _sse("[DONE]")]
 
-    async def _stream(self, rid: int, q: asyncio.Queue, env: p.Envelope, include_usage: bool,
+    def _finish_choices(self, out: "_Choices", arrival: float) -> None:
+        """Abort and count the choices still open (the client went away, another choice failed)."""
+        for rid in out.open_rids():
+            self.manager.abort(rid)
+            self.metrics.finished("abort", arrival)
+        out.ended = [True] * len(out.rids)
+
+    async def _stream(self, out: "_Choices", q: asyncio.Queue, include_usage: bool,
                       arrival: float) -> AsyncIterator[str]:
-        ended = False
+        env = out.env
         try:
             if env.chat:
-                yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
-            last = None
-            while last is not END:
-                # every piece already queued goes out in one write (one event each): when the loop
+                yield "".join(_sse(env.chunk(text="", role=True, include_usage=include_usage, index=i))
+                              for i in range(len(out.rids)))
+            while not all(out.ended):
+                # every item already queued goes out in one write (one event each): when the loop
                 # runs behind the engine, a stream costs one send per wake-up, not one per token
                 events = []
-                piece = await q.get()
+                item = await q.get()
                 while True:
-                    if piece is END or piece is _SHUTDOWN:
-                        last = piece
+                    i, piece = item
+                    if piece is _SHUTDOWN:  # aborted already
+                        self._finish_choices(out, arrival)
+                        yield "".join(events + self._stream_error(env, p.shutting_down(), "abort", include_usage))
+                        return
+                    if piece is not END:
+                        events.append(out.piece_event(i, piece, include_usage))
+                    else:
+                        out.ended[i] = True
+                        try:
+                            o = self.output(out.rids[i])
+                        except RoseError as e:
+                            self.metrics.finished("error", arrival)
+                            self._finish_choices(out, arrival)
+                            yield "".join(events + self._stream_error(env, self._engine_failure(e), "error",
+                                                                      include_usage))
+                            return
+                        out.outputs[i] = o
+                        self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
+                        events.append(_sse(out.final_chunk(i, include_usage)))
+                    if all(out.ended) or q.empty():
                         break
-                    events.append(env.text_event(piece, include_usage))
-                    if q.empty():
-                        break
-                    piece = q.get_nowait()
-                if events:
-                    yield "".join(events)
-                if last is _SHUTDOWN:
-                    self.metrics.finished("abort", arrival)
-                    ended = True  # aborted already
-                    yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
-                    return
-            ended = True
-            try:
-                out = self.output(rid)
-            except RoseError as e:
-                self.metrics.finished("error", arrival)
-                yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
-                return
-            self.metrics.finished(p.finish_reason(out.finish_reason), arrival, out)
-            tail = [_sse(env.chunk(text=None if env.chat else "", finish=p.finish_reason(out.finish_reason),
-                                   include_usage=include_usage))]
-            if include_usage:
-                tail.append(_sse(env.usage_chunk(p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))))
-            tail.append(_sse("[DONE]"))
-            yield "".join(tail)
+                    item = q.get_nowait()
+                if all(out.ended):
+                    if include_usage:
+                        events.append(_sse(env.usage_chunk(out.usage())))
+                    events.append(_sse("[DONE]"))
+                yield "".join(events)
         finally:
-            if not ended:  # the client went away: free the request now
-                self.manager.abort(rid)
-                self.metrics.finished("abort", arrival)
+            self._finish_choices(out, arrival)  # the client went away: free the requests now
             self.active -= 1
 
-    async def _complete(self, request: Request, rid: int, q: asyncio.Queue, env: p.Envelope, arrival: float,
+    async def _complete(self, request: Request, out: "_Choices", q: asyncio.Queue, arrival: float,
                         headers: dict) -> Response:
-        ended = False
-        watcher = asyncio.ensure_future(_wait_disconnect(request.receive, lambda: self._ended_early(rid, q, _GONE)))
+        def gone() -> None:
+            q.put_nowait((None, _GONE))
+            for rid in out.open_rids():
+                self.manager.abort(rid)
+
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive, gone))
         try:
-            while True:
-                piece = await q.get()
-                if piece is END:
-                    break
+            while not all(out.ended):
+                i, piece = await q.get()
                 if piece is _GONE:
                     return Response(status_code=499)  # nobody reads it; the finally counts the abort
                 if piece is _SHUTDOWN:
                     raise p.shutting_down()
-            ended = True
-            try:
-                out = self.output(rid)
-            except RoseError as e:
-                self.metrics.finished("error", arrival)
-                raise self._engine_failure(e) from None
-            reason = p.finish_reason(out.finish_reason)
-            self.metrics.finished(reason, arrival, out)
-            body = env.response(out.text, reason, p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))
-            return JSONResponse(body, headers=headers)
+                if piece is not END:
+                    continue
+                out.ended[i] = True
+                try:
+                    out.outputs[i] = self.output(out.rids[i])
+                except RoseError as e:
+                    self.metrics.finished("error", arrival)
+                    raise self._engine_failure(e) from None
+            for o in out.outputs:
+                self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
+            return JSONResponse(out.response(), headers=headers)
         finally:
             watcher.cancel()
-            if not ended:
-                self.manager.abort(rid)
-                self.metrics.finished("abort", arrival)
+            self._finish_choices(out, arrival)
 
     # --- shutdown -----------------------------------------------------------------------------
     async def drain(self, timeout: float, force: Callable[[], bool] = lambda: False) -> None:

@@ -6,10 +6,11 @@ processor's (`rosecli.engine.inputs`).
 
 Field names and defaults follow the OpenAI API (``max_tokens`` 16 for completions,
 ``temperature`` 1.0, ``n`` 1); the extensions vLLM users expect (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are honoured too.
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are honoured too, and
+so are ``n`` (choices sharing one prefill), ``logprobs`` / ``top_logprobs`` and completions' ``echo``.
 Every field of OpenAI's two request bodies, and vLLM's extensions, is honoured, accepted because
 it cannot change the output (``user``, ``metadata``, ``store``, ...), or, when set to anything
-that would change the output, refused with a 400 that names it (``n`` > 1, ``logprobs``,
+that would change the output, refused with a 400 that names it (``best_of`` other than ``n``,
 ``tools``, ``response_format`` other than text, ...: `REFUSED`); nothing that changes the output
 is silently ignored. Fields nobody defines are ignored, as vLLM does. docs/server.md has the table.
 
@@ -20,6 +21,7 @@ that passes these checks cannot overflow a tensor or a generator seed further do
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -32,6 +34,7 @@ from rosecli.engine.config import (MAX_INT32, MAX_STOP_LENGTH, MAX_STOP_STRINGS,
                                    SamplingParams)
 from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.inputs import InputProcessor
+from rosecli.engine.logprobs import MAX_LOGPROBS, TokenLogprobs
 
 
 # --- the error vocabulary -----------------------------------------------------------------------
@@ -67,6 +70,8 @@ INTERNAL_MESSAGE = "The server had an error while processing your request; the s
 MAX_SEED = 2 ** 63 - 1
 MAX_TOP_K = MAX_INT32
 MAX_TEMPERATURE = 2.0
+MAX_N = 128  # OpenAI's bound on n; the engine's batch may bound it lower (a 400 naming n)
+MIN_LOGPROB = -9999.0  # what a -inf logprob is reported as (JSON has no infinity), as vLLM does
 
 
 class APIError(Exception):
@@ -148,8 +153,8 @@ REFUSED: dict[str, tuple] = {
     "verbosity": (_unset, "this server passes nothing to a reasoning model's template"),
     "moderation": (_unset, "this server runs no moderation"),
     # vLLM's extensions
-    "best_of": (_is(1), "this server returns one choice per request"),
-    "echo": (_is(False), "this server does not echo the prompt yet"),
+    "best_of": (_is(1), "this server returns the n choices it samples, not the best of more"),
+    "echo": (_is(False), "this server echoes the prompt on /v1/completions only"),
     "use_beam_search": (_is(False), "this server has no beam search"),
     "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
     "include_stop_str_in_output": (_is(False), "this server leaves stop strings out of the output"),
@@ -158,7 +163,7 @@ REFUSED: dict[str, tuple] = {
     "truncate_prompt_tokens": (_unset, "this server never truncates a prompt (a prompt too long is a 400)"),
     "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
-    "prompt_logprobs": (_unset, "this server returns no logprobs yet"),
+    "prompt_logprobs": (_unset, "use /v1/completions with echo and logprobs"),
     "guided_json": (_unset, _NO_STRUCTURED),
     "guided_regex": (_unset, _NO_STRUCTURED),
     "guided_choice": (_unset, _NO_STRUCTURED),
@@ -220,9 +225,8 @@ class SamplingRequest(BaseModel):
     user: Optional[str] = None
 
     def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported(f"n={self.n} is not supported: this server returns one choice per request "
-                              "(send n separate requests)", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be an integer from 1 to {MAX_N}, got {self.n}", "n")
         for name, value in self._undeclared.items():
             rule = REFUSED.get(name)
             if rule is not None and not rule[0](value):
@@ -235,6 +239,14 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        """(logprobs, prompt_logprobs) for `SamplingParams`: top-k counts, None when not asked."""
+        return None, None
+
 
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
@@ -245,15 +257,17 @@ class CompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise unsupported("echo is not supported by this server yet (leave it out or false)", "echo")
-        if self.logprobs is not None:
-            raise unsupported("logprobs is not supported by this server yet (leave it out)", "logprobs")
-        if self.best_of not in (None, 1):
-            raise unsupported(f"best_of={self.best_of} is not supported: this server returns one choice per "
-                              "request (leave it out or 1)", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs}",
+                              "logprobs")
+        if self.best_of not in (None, self.num_choices):
+            raise unsupported(f"best_of={self.best_of} is not supported: this server returns the n choices it "
+                              f"samples (leave best_of out, or equal to n={self.num_choices})", "best_of")
         if self.suffix:
             raise unsupported("suffix (insertion) is not supported by this server (leave it out)", "suffix")
+
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        return self.logprobs, self.logprobs if self.echo else None
 
 
 class ContentPart(BaseModel):
@@ -277,13 +291,16 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.logprobs:
-            raise unsupported("logprobs is not supported by this server yet (leave it out or false)", "logprobs")
-        if self.top_logprobs:
-            raise unsupported("top_logprobs is not supported by this server yet (leave it out or 0)",
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
                               "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
+
+    def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def template_messages(self) -> list[dict]:
         """Messages as the chat template wants them: content a string (text parts joined)."""
@@ -385,6 +402,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
         raise bad_request(f"min_tokens ({min_tokens}) must not exceed {max_param} ({max_tokens})", "min_tokens")
     extra = {name: float(value) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
              if (value := getattr(req, name)) is not None}
+    extra["logprobs"], extra["prompt_logprobs"] = req.logprob_counts()
     try:
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                                 top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
@@ -399,6 +417,16 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
     except RequestError as e:
         raise bad_request(str(e), e.param) from None
     return params
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of each of ``n`` choices: choice i samples with ``seed + i`` (as vLLM's
+    parallel sampling), so choice i of a seeded request equals one request with that seed; without
+    a seed each choice draws its own stream."""
+    if n == 1:
+        return [params]
+    return [params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+            for i in range(n)]
 
 
 def logit_bias(wire: Optional[dict[str, float]]) -> dict[int, float]:
@@ -524,7 +552,7 @@ class Envelope:
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = now()
         self.model = model
-        self._templates: dict[bool, tuple[str, str]] = {}  # text_event's, by include_usage
+        self._templates: dict[tuple, tuple[str, str]] = {}  # text_event's, by (include_usage, index)
 
     def _wrap(self, object_: str, choices: list, usage_: Optional[dict], with_usage: bool) -> dict:
         out = {"id": self.id, "object": object_, "created": self.created, "model": self.model,
@@ -535,26 +563,27 @@ class Envelope:
 
     # streaming
     def chunk(self, text: Optional[str] = None, finish: Optional[str] = None, role: bool = False,
-              include_usage: bool = False) -> dict:
+              include_usage: bool = False, index: int = 0, logprobs: Optional[dict] = None) -> dict:
         if self.chat:
             delta: dict = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return self._wrap("chat.completion.chunk", [choice], None, include_usage)
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return self._wrap("text_completion", [choice], None, include_usage)
 
-    def text_event(self, text: str, include_usage: bool = False) -> str:
-        """``chunk(text)`` as its SSE event (``data: {...}``): the same bytes, from a template made
-        once per request, so a token costs one ``json.dumps`` of its text and not of the envelope."""
-        key = bool(include_usage)
+    def text_event(self, text: str, include_usage: bool = False, index: int = 0) -> str:
+        """``chunk(text, index=index)`` as its SSE event (``data: {...}``): the same bytes, from a
+        template made once per request (and choice), so a token costs one ``json.dumps`` of its
+        text and not of the envelope."""
+        key = (bool(include_usage), index)
         t = self._templates.get(key)
         if t is None:
             mark = "\x00rose-text\x00"
-            body = json.dumps(self.chunk(text=mark, include_usage=include_usage), separators=(",", ":"))
+            body = json.dumps(self.chunk(text=mark, include_usage=include_usage, index=index), separators=(",", ":"))
             before, after = body.split(json.dumps(mark), 1)
             t = self._templates[key] = ("data: " + before, after + "\n\n")
         return t[0] + json.dumps(text) + t[1]
@@ -563,13 +592,68 @@ class Envelope:
         return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage_, True)
 
     # non-streaming
-    def response(self, text: str, finish: str, usage_: dict) -> dict:
+    def response(self, choices: list[tuple[str, str, Optional[dict]]], usage_: dict) -> dict:
+        """``choices``: (text, finish reason, logprobs or None) of each, in index order."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": None, "finish_reason": finish}
-            return self._wrap("chat.completion", [choice], usage_, True)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return self._wrap("text_completion", [choice], usage_, True)
+            out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": lp, "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
+            return self._wrap("chat.completion", out, usage_, True)
+        out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+               for i, (text, finish, lp) in enumerate(choices)]
+        return self._wrap("text_completion", out, usage_, True)
+
+
+def _lp(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # also -inf and NaN
+
+
+class LogprobsFormat:
+    """One choice's logprobs in its endpoint's shape. Completions: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (a dict per position of the chosen token and the top k, as vLLM) and
+    ``text_offset`` (each token's offset in the choice's text, echoed prompt included: the sum of
+    the token strings before it, as vLLM counts them). Chat: ``content``, a list of ``token``,
+    ``logprob``, ``bytes`` and ``top_logprobs`` (the top k). ``token_text(id)`` -> (str, bytes)."""
+
+    def __init__(self, chat: bool, token_text):
+        self.chat = chat
+        self.token_text = token_text
+        self.offset = 0
+
+    def __call__(self, entries: list[TokenLogprobs], prompt_ids: Optional[list[int]] = None,
+                 prompt: Optional[list[Optional[TokenLogprobs]]] = None) -> dict:
+        """The logprobs of ``entries`` (after the prompt's, ``prompt`` for ``prompt_ids``, when given)."""
+        text = self.token_text
+        if self.chat:
+            content = []
+            for e in entries:
+                tok, b = text(e.token_id)
+                top = []
+                for t, lp in e.top:
+                    s, tb = text(t)
+                    top.append({"token": s, "logprob": _lp(lp), "bytes": list(tb)})
+                content.append({"token": tok, "logprob": _lp(e.logprob), "bytes": list(b), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        positions = []
+        if prompt_ids is not None:
+            positions += [(t, prompt[j] if prompt is not None and j < len(prompt) else None)
+                          for j, t in enumerate(prompt_ids)]
+        positions += [(e.token_id, e) for e in entries]
+        for token_id, e in positions:
+            tok = text(token_id)[0]
+            out["tokens"].append(tok)
+            out["text_offset"].append(self.offset)
+            self.offset += len(tok)
+            if e is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(_lp(e.logprob))
+            top = {tok: _lp(e.logprob)}
+            for t, lp in e.top:
+                top.setdefault(text(t)[0], _lp(lp))
+            out["top_logprobs"].append(top)
+        return out
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})

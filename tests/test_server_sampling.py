@@ -140,7 +140,7 @@ def test_min_tokens_keeps_a_stop_string_from_ending_the_request(http):
 # --- refused -----------------------------------------------------------------------------------
 
 COMMON_REFUSED = [
-    ("n", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("parallel_tool_calls", False),
     ("response_format", {"type": "json_object"}), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
@@ -151,9 +151,8 @@ COMMON_REFUSED = [
     ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"), ("structured_outputs", {}),
     ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
 ]
-COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("echo", True), ("logprobs", 0), ("logprobs", 3),
-                                      ("suffix", "end")]
-CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True), ("logprobs", True), ("top_logprobs", 2),
+COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end")]
+CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True),
                                  ("add_generation_prompt", False), ("continue_final_message", True),
                                  ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"enable_thinking": True}),
                                  ("documents", [{"text": "d"}])]
@@ -233,10 +232,11 @@ def test_the_openai_client_sends_every_parameter(live):
 def test_the_openai_client_hears_each_refusal(live):
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
     calls = [
-        ("n", lambda: client.completions.create(model=MODEL, prompt="hi", n=2)),
-        ("logprobs", lambda: client.completions.create(model=MODEL, prompt="hi", logprobs=2)),
-        ("echo", lambda: client.completions.create(model=MODEL, prompt="hi", echo=True)),
-        ("logprobs", lambda: client.chat.completions.create(model=MODEL, messages=MSG, logprobs=True)),
+        ("best_of", lambda: client.completions.create(model=MODEL, prompt="hi", n=2, best_of=3)),
+        ("n", lambda: client.completions.create(model=MODEL, prompt="hi", n=0)),
+        ("logprobs", lambda: client.completions.create(model=MODEL, prompt="hi", logprobs=21)),
+        ("top_logprobs", lambda: client.chat.completions.create(model=MODEL, messages=MSG, logprobs=True,
+                                                                top_logprobs=21)),
         ("response_format", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
                                                                    response_format={"type": "json_object"})),
         ("tools", lambda: client.chat.completions.create(

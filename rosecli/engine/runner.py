@@ -672,7 +672,7 @@ class ModelRunner:
             for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
                 if s.params.prompt_logprobs is not None and not s.num_output_tokens:  # (not when recomputed)
                     self._prompt_logprobs(s, s.num_computed_tokens, n, cu[i], hidden)
-            out: list[Optional[int]] = [None] * len(out_at)
+            out: list[Optional[int]] = [None] * (len(seqs) + n_forks)
             if not picked:
                 return out
             rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)

@@ -20,7 +20,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from rosecli.engine.config import EngineConfig
+from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.llm import LLMEngine
 from rosecli.engine.streaming import StreamingManager
 from rosecli.server.app import create_app
@@ -217,10 +217,11 @@ def test_pieces_queued_behind_a_busy_loop_go_out_in_one_write_one_event_each(liv
     async def collect():
         q = asyncio.Queue()
         for piece in ("Hel", "lo", " wor", "ld"):
-            q.put_nowait(piece)
-        q.put_nowait(server_app._SHUTDOWN)
+            q.put_nowait((0, piece))  # (choice index, piece), as the bridge queues them
+        q.put_nowait((None, server_app._SHUTDOWN))
         rose.active += 1  # as a request that passed generate(); _stream gives it back
-        return [w async for w in rose._stream(-1, q, p.Envelope(False, MODEL), False, time.perf_counter())]
+        choices = server_app._Choices(rose, p.Envelope(False, MODEL), [-1], SamplingParams(), [], None)
+        return [w async for w in rose._stream(choices, q, False, time.perf_counter())]
 
     writes = asyncio.run(collect())
     assert len(writes) == 2  # the four pieces, then the end of the stream
@@ -299,7 +300,7 @@ def test_bad_completion_requests_are_400(http):
         ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, "temperature"),
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
         ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
-        ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
         ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, "prompt"),
         ({"model": MODEL, "prompt": 123}, "prompt"),
@@ -329,7 +330,7 @@ def test_bad_chat_requests_are_400(http):
         ({"model": MODEL, "messages": msg, "max_tokens": 100000}, "max_tokens"),
         ({"model": MODEL, "messages": msg, "temperature": -1}, "temperature"),
         ({"model": MODEL, "messages": msg, "top_p": 2}, "top_p"),
-        ({"model": MODEL, "messages": msg, "n": 3}, "n"),
+        ({"model": MODEL, "messages": msg, "n": 500}, "n"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, "messages[0].content"),
     ]

@@ -565,7 +565,9 @@ class _Server:
                     i, piece = item
                     if piece is _SHUTDOWN:  # aborted already
                         self._finish_choices(out, arrival)
-                        yield "".join(events + self._stream_error(env, p.shutting_down(), "abort", include_usage))
+                        if events:
+                            yield "".join(events)
+                        yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
                         return
                     if piece is not END:
                         events.append(out.piece_event(i, piece, include_usage))
@@ -576,8 +578,9 @@ class _Server:
                         except RoseError as e:
                             self.metrics.finished("error", arrival)
                             self._finish_choices(out, arrival)
-                            yield "".join(events + self._stream_error(env, self._engine_failure(e), "error",
-                                                                      include_usage))
+                            if events:
+                                yield "".join(events)
+                            yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
                             return
                         out.outputs[i] = o
                         self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)

@@ -108,7 +108,7 @@ class DecodeLaunch:
 
     def __init__(self, seqs, out, event, lp=None):
         self.seqs, self.out, self.event, self.lp = seqs, out, event, lp
-        self.logprobs: dict[int, TokenLogprobs] = {}
+        self.logprobs: Optional[dict[int, TokenLogprobs]] = None  # (no dict per step when nobody asks)
 
 
 def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
@@ -682,7 +682,7 @@ class ModelRunner:
             ids = self._sample(picked, logits, None, flip)
         launch = DecodeLaunch(picked, *self._fetch(ids, len(picked), flip))
         sampled = self.collect(launch)
-        self.prefill_logprobs = launch.logprobs
+        self.prefill_logprobs = launch.logprobs or {}
         for at, tok in zip(out_at, sampled):
             out[at] = tok
         return out

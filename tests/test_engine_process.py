@@ -87,6 +87,23 @@ def test_answers_equal_the_engine_in_process(remote, cache_dir):
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
 
 
+def test_logprobs_echo_and_n_cross_the_pipe(remote):
+    body = {"model": MODEL, "prompt": "Tell me", "max_tokens": 4, "temperature": 1.0, "seed": 11,
+            "ignore_eos": True, "logprobs": 1}
+    with httpx.Client(base_url=remote.url, timeout=60) as http:
+        r = http.post("/v1/completions", json={**body, "n": 3}).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["usage"]["completion_tokens"] == 12
+        for i, choice in enumerate(r["choices"]):  # choice i: seed + i
+            alone = http.post("/v1/completions", json={**body, "seed": 11 + i}).json()["choices"][0]
+            assert alone["text"] == choice["text"] and alone["logprobs"]["tokens"] == choice["logprobs"]["tokens"]
+        chunks = _stream_texts(http, {**body, "echo": True})
+        lp = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        assert lp[0]["token_logprobs"][0] is None and chunks[0]["choices"][0]["text"].startswith("Tell me")
+        assert "".join(t for x in lp for t in x["tokens"]) == "".join(c["choices"][0]["text"] for c in chunks)
+        err = http.post("/v1/completions", json={**body, "n": 65}).json()["error"]  # beyond the batch of 64
+        assert err["param"] == "n"
+
+
 def test_bad_requests_and_overload_are_answered_in_the_server_process(remote):
     with httpx.Client(base_url=remote.url, timeout=60) as http:
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [10 ** 9], "max_tokens": 2})

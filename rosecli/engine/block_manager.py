@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Optional
 
+from rosecli.engine.errors import RequestError
 from rosecli.engine.sequence import Sequence
 
 
@@ -41,6 +42,22 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> l
 
 def _chain_hash(parent: Optional[int], tokens: list[int]) -> int:
     return hash((parent, tuple(tokens)))
+
+
+def check_group(config, blocks, n: int, num_prompt_tokens: int) -> None:
+    """Whether ``n`` choices of a prompt (`Scheduler.add_group`) can ever run together, from the
+    `EngineConfig` and the KV pool's size alone (``blocks``: what has ``num_blocks`` and
+    ``blocks_needed``; a server whose engine runs in another process has no scheduler): a
+    RequestError naming ``n`` otherwise. Each choice needs a block of its own for its first token."""
+    max_active = config.max_active_requests or config.max_batch_size
+    rows = min(max_active, max(config.max_batch_size, config.prefill_max_batch_size))
+    if n > rows:
+        raise RequestError(f"n={n} is more choices than this engine runs at once ({rows}: --max-batch-size / "
+                           "--max-active-requests)", "n")
+    need = blocks.blocks_needed(num_prompt_tokens + 1) + n - 1
+    if need > blocks.num_blocks:
+        raise RequestError(f"n={n}: the prompt's {num_prompt_tokens} tokens and a block for each choice need "
+                           f"{need} KV blocks, the whole KV cache has {blocks.num_blocks}", "n")
 
 
 class BlockManager:

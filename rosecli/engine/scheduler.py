@@ -47,7 +47,7 @@ import time
 from collections import deque
 from typing import Callable, Optional, Union
 
-from rosecli.engine.block_manager import BlockManager
+from rosecli.engine.block_manager import BlockManager, check_group
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import RequestError
 from rosecli.engine.logprobs import TokenLogprobs
@@ -115,15 +115,7 @@ class Scheduler:
     def check_group(self, n: int, num_prompt_tokens: int) -> None:
         """Whether ``n`` choices of a prompt can ever run together (any thread: reads the config
         only); a RequestError naming ``n`` otherwise."""
-        bm = self.block_manager
-        rows = min(self.max_active, max(self.config.max_batch_size, self.config.prefill_max_batch_size))
-        if n > rows:
-            raise RequestError(f"n={n} is more choices than this engine runs at once ({rows}: --max-batch-size / "
-                               "--max-active-requests)", "n")
-        need = bm.blocks_needed(num_prompt_tokens + 1) + n - 1
-        if need > bm.num_blocks:
-            raise RequestError(f"n={n}: the prompt's {num_prompt_tokens} tokens and a block for each choice need "
-                               f"{need} KV blocks, the whole KV cache has {bm.num_blocks}", "n")
+        check_group(self.config, self.block_manager, n, num_prompt_tokens)
 
     def add_group(self, token_ids: list[int], params: list[SamplingParams], request_ids: list[int]) -> list[int]:
         """Queue the choices of one prompt (one `SamplingParams` and request id each): the prompt is

@@ -7,7 +7,8 @@ throughput, see docs/performance.md). As in vLLM v1 and SGLang, the engine core 
 runner, output processing, the streaming manager) then runs in a child process and the server
 process does HTTP only. They talk over one duplex `multiprocessing` pipe:
 
-- server -> engine: ``("add", rid, token_ids, params)``, ``("abort", rid)``,
+- server -> engine: ``("add", rid, token_ids, params)``, ``("add_group", rids, token_ids, [params])``
+  (``n`` choices), ``("abort", rid)``,
   ``("call", call_id, name)`` (``stats``, ``decode_counts``), ``("close",)``;
 - engine -> server: ``("ready", info)`` or ``("failed", message)`` once at start-up, then
   ``("out", pieces, ends)`` per batch of the manager's sink (``pieces``: ``[(rid, text)]``,
@@ -35,6 +36,7 @@ from rosecli.engine.errors import OverloadedError
 from rosecli.engine.streaming import EngineDeadError
 from rosecli.engine.inputs import InputProcessor
 from rosecli.engine.outputs import END
+from rosecli.engine.block_manager import check_group
 
 log = logging.getLogger("rosecli.server")
 
@@ -81,6 +83,7 @@ class RemoteManager:
         self._conn = conn
         self._proc = proc
         self.inputs = inputs
+        self.config = config
         self.max_inflight = config.max_inflight_requests
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -135,6 +138,36 @@ class RemoteManager:
                 self._inflight -= 1
             raise
         return rid
+
+    def add_choices(self, prompt: Union[str, list[int]], params: list[SamplingParams], wait: bool = False,
+                    timeout: Optional[float] = None, sink: Optional[queue.SimpleQueue] = None) -> list[int]:
+        """As `StreamingManager.add_choices` in sink mode: the ``n`` choices of one prompt, checked
+        here (``n`` against the engine's batch and KV pool too), one id each."""
+        if sink is None:
+            raise ValueError("RemoteManager serves sink-mode requests only")
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error or 'it was shut down'}")
+        token_ids = self.inputs.process(prompt, params[0])
+        for p in params[1:]:
+            self.inputs.check_params(p)
+        check_group(self.config, self.inputs.block_manager, len(params), len(token_ids))
+        with self._lock:
+            if self.max_inflight is not None and self._inflight + len(params) > self.max_inflight:
+                raise OverloadedError(f"{self._inflight} requests are in flight, the limit set by "
+                                      f"--max-inflight-requests is {self.max_inflight}: retry later")
+            rids = [next(self._ids) for _ in params]
+            for rid in rids:
+                self._sinks[rid] = sink
+            self._inflight += len(rids)
+        try:
+            self._send(("add_group", rids, token_ids, params))
+        except BaseException:
+            with self._lock:
+                for rid in rids:
+                    self._sinks.pop(rid, None)
+                self._inflight -= len(rids)
+            raise
+        return rids
 
     def abort(self, rid: int) -> bool:
         with self._lock:
@@ -369,6 +402,17 @@ def _engine_main(config: EngineConfig, conn) -> None:
                         continue
                     to_api[rid] = api_rid
                     from_api[api_rid] = rid
+            elif kind == "add_group":
+                _, api_rids, token_ids, params = msg
+                with map_lock:
+                    try:
+                        rids = manager.add_choices(token_ids, params, wait=False, sink=sink)
+                    except BaseException as e:  # noqa: BLE001 - these requests fail; the engine goes on
+                        send(("out", [], [(api_rid, None, e) for api_rid in api_rids]))
+                        continue
+                    for rid, api_rid in zip(rids, api_rids):
+                        to_api[rid] = api_rid
+                        from_api[api_rid] = rid
             elif kind == "abort":
                 with map_lock:
                     rid = from_api.get(msg[1])

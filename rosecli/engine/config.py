@@ -240,6 +240,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # structured output: a rosecli.engine.structured.GrammarSpec the output must match (None: free)
+    structured: Optional[object] = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
@@ -292,4 +294,14 @@ class SamplingParams:
                    f"logit_bias of token {t} must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
                    f"got {bias!r}")
         self.logit_bias = {t: float(bias) for t, bias in self.logit_bias.items()}
+        if self.structured is not None:
+            from rosecli.engine.structured import GrammarSpec
+
+            _check(isinstance(self.structured, GrammarSpec),
+                   f"structured must be a GrammarSpec, got {type(self.structured).__name__}")
+            # the output ends where the grammar does, on EOS: nothing may hold EOS back or ignore it
+            _check(self.stop_on_eos, "ignore_eos cannot be used with structured output (the output ends with EOS "
+                                     "where the grammar ends)")
+            _check(self.min_tokens == 0, "min_tokens cannot be used with structured output (it would hold back the "
+                                         "EOS that ends a complete output)")
 

@@ -155,6 +155,7 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []  # set by the scheduler: what min_tokens holds back with stop ids
         self._slots: dict[int, int] = {}  # request id -> sampling slot, from its first sampled token
         self._special: set[int] = set()  # request ids whose sampling is not plain greedy
+        self.structured = None  # rosecli.engine.structured.StructuredOutput, set by the engine when available
         self.num_blocks = self._decide_num_blocks()
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
@@ -446,7 +447,7 @@ class ModelRunner:
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None)
+            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows)
             if ids_dev is not greedy:
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
@@ -474,7 +475,7 @@ class ModelRunner:
         return graph is not None
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                flip: int, static: bool = False) -> torch.Tensor:
+                flip: int, static: bool = False, last_rows: Optional[dict] = None) -> torch.Tensor:
         """The batch's next ids on the device. Every request gets its sampling slot on its first
         sampled token; while every admitted request is plain greedy, the model's argmax (computed
         inside the decode graph) is the answer and the sampler is not called. ``static``: ``logits``
@@ -492,6 +493,9 @@ class ModelRunner:
             h[i] = slots[s.request_id]
         d = self._d_slot_rows[:batch]
         d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
+        if self.structured is not None and self.structured.active:  # grammar rows: masked in place, eagerly
+            self.structured.mask_logits(seqs, logits, lambda rid: self._pending_token(rid, last_rows, flip ^ 1),
+                                        PENDING)
         st.flush()
         if not (static and self.use_graphs):
             return st.sample(logits, d).token_ids
@@ -504,6 +508,14 @@ class ModelRunner:
         if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
+
+    def _pending_token(self, request_id: int, last_rows: dict, prev_flip: int) -> int:
+        """The token the previous decode launch sampled for a request (overlap: not read back by the
+        scheduler yet): waits for that launch, whose copy was queued before this step's forward."""
+        event = self._events[prev_flip]
+        if event is not None:
+            event.synchronize()
+        return int(self.np_sampled[prev_flip][last_rows[request_id]])
 
     def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
         """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
@@ -529,7 +541,7 @@ class ModelRunner:
         out = [t for t in seq.output_token_ids if t != PENDING]
         self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
                                                            output_ids=out, stop_ids=stop_ids)
-        if not _plain_greedy(p, bool(stop_ids)):
+        if not _plain_greedy(p, bool(stop_ids)) or getattr(p, "structured", None) is not None:
             self._special.add(seq.request_id)
 
     def _fetch(self, ids: torch.Tensor, batch: int, flip: int):
@@ -605,6 +617,13 @@ class ModelRunner:
         bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        spec = getattr(seq.params, "structured", None)
+        if spec is not None:
+            if self.structured is None:
+                from rosecli.engine.structured import INSTALL_HINT
+
+                raise RequestError(INSTALL_HINT, spec.param)
+            self.structured.add(seq.request_id, spec)  # compiled (or cached) here: a bad grammar fails alone
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling slot) once the request is done."""
@@ -612,6 +631,8 @@ class ModelRunner:
         if slot is not None:
             self.sampler.release(slot)
         self._special.discard(seq.request_id)
+        if self.structured is not None:
+            self.structured.release(seq.request_id)
 
     def close(self) -> None:
         self.graphs.clear()

@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rosecli.engine.errors import OverloadedError, RequestError, RoseError
 from rosecli.engine.streaming import END, EngineDeadError
+from rosecli.server import guided
 from rosecli.server import protocol as p
 from rosecli.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -337,20 +338,33 @@ class _Server:
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
         return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
         if not self.inputs.has_chat_template:
             raise p.bad_request(f"the model {self.model_name} has no chat template: use /v1/completions",
                                 "messages")
         try:
-            return self.inputs.chat(messages)
+            return self.inputs.chat(messages, tools=tools) if tools else self.inputs.chat(messages)
         except RequestError as e:
             if e.__cause__ is not None:
                 log.info("the chat template failed on a request's messages: %s: %s",
                          type(e.__cause__).__name__, e.__cause__)
             raise p.bad_request(str(e), "messages") from None
 
-    async def tokenize(self, fn, arg) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
+    async def tokenize(self, fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile (or find cached) a request's grammar off the event loop, before it is admitted:
+        one that does not compile, or a server without the library, is a 400 naming the field."""
+        structured = getattr(self.engine, "structured", None)
+        try:
+            if structured is None:
+                from rosecli.engine.structured import INSTALL_HINT
+
+                raise RequestError(INSTALL_HINT, spec.param)
+            await self.tokenize(structured.compile, spec)
+        except RequestError as e:
+            raise p.bad_request(str(e), e.param) from None
 
     async def submit(self, ids: list[int], params, prompt_param: str) -> tuple[int, asyncio.Queue]:
         """Hand the request to the manager, whose input processor checks the prompt (a 400 names
@@ -427,8 +441,9 @@ class _Server:
         self.check_alive()
         prompt_param = "messages" if chat else "prompt"
         self.check_prompt_chars(req, prompt_param)
+        spec, tools = guided.grammar_spec(req)
         if chat:
-            ids = await self.tokenize(self._encode_chat, req.template_messages())
+            ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:
@@ -436,15 +451,18 @@ class _Server:
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
         params = p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
-                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs)
+                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs,
+                                   structured=spec)
+        if spec is not None:
+            await self.compile_grammar(spec)
         rid, q = await self.submit(ids, params, prompt_param)
         env = p.Envelope(chat, req.model or self.model_name)
         headers = {"x-request-id": env.id}
         if req.stream:
-            return StreamingResponse(self._stream(rid, q, env, req.include_usage, arrival),
+            return StreamingResponse(self._stream(rid, q, env, req.include_usage, arrival, tools),
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, rid, q, env, arrival, headers)
+        return await self._complete(request, rid, q, env, arrival, headers, tools)
 
     def _ended_early(self, rid: int, q: asyncio.Queue, why: _Ended) -> None:
         q.put_nowait(why)
@@ -457,11 +475,17 @@ class _Server:
                 _sse(e.body()), _sse("[DONE]")]
 
     async def _stream(self, rid: int, q: asyncio.Queue, env: p.Envelope, include_usage: bool,
-                      arrival: float) -> AsyncIterator[str]:
+                      arrival: float, tools: Optional[guided.ToolMode] = None) -> AsyncIterator[str]:
         ended = False
+        held: Optional[list[str]] = None  # tool calls as an array: sent whole once parsed
         try:
             if env.chat:
                 yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
+            if tools is not None and tools.name is not None:  # one named call: its arguments stream
+                call = guided.tool_call(tools.name, "")
+                yield _sse(env.tool_chunk([{"index": 0, **call}], include_usage))
+            elif tools is not None:
+                held = []
             last = None
             while last is not END:
                 # every piece already queued goes out in one write (one event each): when the loop
@@ -472,7 +496,13 @@ class _Server:
                     if piece is END or piece is _SHUTDOWN:
                         last = piece
                         break
-                    events.append(env.text_event(piece, include_usage))
+                    if tools is None:
+                        events.append(env.text_event(piece, include_usage))
+                    elif held is None:
+                        events.append(_sse(env.tool_chunk([{"index": 0, "function": {"arguments": piece}}],
+                                                          include_usage)))
+                    else:
+                        held.append(piece)
                     if q.empty():
                         break
                     piece = q.get_nowait()
@@ -491,8 +521,17 @@ class _Server:
                 yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
                 return
             self.metrics.finished(p.finish_reason(out.finish_reason), arrival, out)
-            tail = [_sse(env.chunk(text=None if env.chat else "", finish=p.finish_reason(out.finish_reason),
-                                   include_usage=include_usage))]
+            finish = p.finish_reason(out.finish_reason)
+            tail = []
+            if held is not None:
+                calls = tools.calls("".join(held))
+                if calls:
+                    tail.append(_sse(env.tool_chunk([{"index": i, **c} for i, c in enumerate(calls)], include_usage)))
+                elif held:  # cut short: what was generated, as text
+                    tail.append(env.text_event("".join(held), include_usage))
+            if tools is not None and finish == "stop":
+                finish = "tool_calls"
+            tail.append(_sse(env.chunk(text=None if env.chat else "", finish=finish, include_usage=include_usage)))
             if include_usage:
                 tail.append(_sse(env.usage_chunk(p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))))
             tail.append(_sse("[DONE]"))
@@ -504,7 +543,7 @@ class _Server:
             self.active -= 1
 
     async def _complete(self, request: Request, rid: int, q: asyncio.Queue, env: p.Envelope, arrival: float,
-                        headers: dict) -> Response:
+                        headers: dict, tools: Optional[guided.ToolMode] = None) -> Response:
         ended = False
         watcher = asyncio.ensure_future(_wait_disconnect(request.receive, lambda: self._ended_early(rid, q, _GONE)))
         try:
@@ -524,7 +563,11 @@ class _Server:
                 raise self._engine_failure(e) from None
             reason = p.finish_reason(out.finish_reason)
             self.metrics.finished(reason, arrival, out)
-            body = env.response(out.text, reason, p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens))
+            calls = tools.calls(out.text) if tools is not None else None
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            body = env.response(out.text, reason, p.usage(out.prompt_tokens, out.output_tokens, out.cached_tokens),
+                                calls)
             return JSONResponse(body, headers=headers)
         finally:
             watcher.cancel()

@@ -479,8 +479,8 @@ class _Server:
         ended = False
         held: Optional[list[str]] = None  # tool calls as an array: sent whole once parsed
         try:
-            if env.chat:
-                yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
+            if env.chat:  # a tool-call message has no content
+                yield _sse(env.chunk(text="" if tools is None else None, role=True, include_usage=include_usage))
             if tools is not None and tools.name is not None:  # one named call: its arguments stream
                 call = guided.tool_call(tools.name, "")
                 yield _sse(env.tool_chunk([{"index": 0, **call}], include_usage))

@@ -130,6 +130,11 @@ def _tool_spec(req: ChatCompletionRequest) -> Optional[tuple[GrammarSpec, ToolMo
         choice = "auto" if tools else "none"
     if choice == "none":
         return None
+    if choice == "auto":
+        raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported: this server "
+                          "has no parser for the model's own tool-call format. Send tool_choice \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}: the output is then constrained "
+                          "to a valid call", "tool_choice")
     if not tools:
         raise bad_request("tool_choice needs tools: give the functions in tools", "tool_choice")
     schemas: dict[str, Any] = {}
@@ -166,10 +171,5 @@ def _tool_spec(req: ChatCompletionRequest) -> Optional[tuple[GrammarSpec, ToolMo
             raise bad_request(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
         i = list(schemas).index(name)
         return _spec("json", schemas[name], f"tools[{i}].function.parameters"), ToolMode(name)
-    if choice == "auto":
-        raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported: this server "
-                          "has no parser for the model's own tool-call format. Send tool_choice \"required\" or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}: the output is then constrained "
-                          "to a valid call", "tool_choice")
     raise bad_request(f"tool_choice must be \"none\", \"required\" or a named function, got "
                       f"{json.dumps(choice)[:40]}", "tool_choice")

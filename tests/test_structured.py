@@ -131,3 +131,41 @@ def test_bad_grammars_fail_alone_naming_the_field(engine):
 def test_compiled_grammars_are_cached(engine):
     spec = GrammarSpec.json_schema(PERSON)
     assert engine.structured.compile(spec) is engine.structured.compile(GrammarSpec.json_schema(dict(PERSON)))
+
+
+# --- the CLI: rose generate --json-schema FILE / --regex ---------------------------------------
+
+def _generate(cache_dir, *args):
+    from typer.testing import CliRunner
+
+    from rosecli.commands.main import app
+
+    return CliRunner().invoke(app, ["generate", "--model", "tiny-llama", "--load-format", "dummy", "--cache-dir",
+                                    cache_dir, *args])
+
+
+def test_cli_json_schema_and_regex(cache_dir, tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(PERSON))
+    r = _generate(cache_dir, "Who?", "--json-schema", str(path), "--do-sample", "--max-new-tokens", "300")
+    assert r.exit_code == 0, r.output
+    jsonschema.validate(json.loads(r.stdout.splitlines()[0]), PERSON)
+    r = _generate(cache_dir, "Call:", "--regex", REGEX)
+    assert r.exit_code == 0, r.output
+    assert re.fullmatch(REGEX, r.stdout.splitlines()[0])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--json-schema", "BAD"], "--json-schema: the JSON schema could not be compiled: Unsupported type"),
+    (["--json-schema", "MISSING"], "--json-schema: cannot read"),
+    (["--json-schema", "NOTJSON"], "--json-schema: the JSON schema is not valid JSON"),
+    (["--regex", "(("], "--regex: the regex could not be compiled"),
+    (["--regex", "a", "--json-schema", "BAD"], "give one of them"),
+])
+def test_cli_bad_grammar_is_one_line(cache_dir, tmp_path, args, message):
+    (tmp_path / "bad.json").write_text('{"type": "foo"}')
+    (tmp_path / "notjson.json").write_text('{"type": ')
+    files = {"BAD": tmp_path / "bad.json", "MISSING": tmp_path / "none.json", "NOTJSON": tmp_path / "notjson.json"}
+    r = _generate(cache_dir, "x", *[str(files.get(a, a)) for a in args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output

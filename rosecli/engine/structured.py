@@ -276,11 +276,27 @@ class StructuredOutput:
         if matchers:
             self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
         B = logits.shape[0]
+        if self.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+            # on the CPU the library's own op, on the masked rows only, costs less than the gather below
+            self.xgr.apply_token_bitmask_inplace(logits, host[:B], indices=written)
+            return True
         d = self._dev[:B]
         d.copy_(host[:B], non_blocking=self.device.type == "cuda")
-        bits = (d.index_select(1, self._word) >> self._bit) & 1
-        logits.masked_fill_(bits == 0, float("-inf"))
+        apply_bitmask(logits, d, self._word, self._bit)
         return True
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: Optional[torch.Tensor] = None,
+                  bit: Optional[torch.Tensor] = None) -> None:
+    """Set ``logits[i, t]`` to -inf where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0 (the packed
+    int32 layout of xgrammar and llguidance), in place, for the whole batch: one gather, a shift and a
+    masked fill, no host sync (CUDA-graph friendly). ``word``/``bit``: ``arange(V) // 32`` and
+    ``% 32`` (int32), precomputed on the device."""
+    V = logits.shape[1]
+    if word is None:
+        cols = torch.arange(V, device=logits.device)
+        word, bit = cols // 32, (cols % 32).to(torch.int32)
+    logits.masked_fill_(((bitmask.index_select(1, word) >> bit) & 1) == 0, float("-inf"))
 
 
 def _tokenizer_info(xgr, tokenizer, vocab_size: int, eos_token_ids: list[int]):

@@ -300,8 +300,8 @@ class SamplingParams:
             _check(isinstance(self.structured, GrammarSpec),
                    f"structured must be a GrammarSpec, got {type(self.structured).__name__}")
             # the output ends where the grammar does, on EOS: nothing may hold EOS back or ignore it
-            _check(self.stop_on_eos, "ignore_eos cannot be used with structured output (the output ends with EOS "
-                                     "where the grammar ends)")
+            _check(self.stop_on_eos, "stop_on_eos cannot be off with structured output (ignore_eos, --no-stop-on-eos): "
+                                     "the output ends with EOS where the grammar ends")
             _check(self.min_tokens == 0, "min_tokens cannot be used with structured output (it would hold back the "
                                          "EOS that ends a complete output)")
 

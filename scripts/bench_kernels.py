@@ -46,7 +46,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -59,6 +58,7 @@ from rosecli.kernels.paged_decode import (decode_launch, paged_decode_attention,
 from rosecli.kernels.prefill_attention import (paged_prefill_attention, paged_prefill_attention_ref,  # noqa: E402
                                                prefill_launch)
 from rosecli.kernels.store_kv import store_kv_cache, store_kv_cache_ref  # noqa: E402
+from rosecli.kernels.stream_read import stream_read_sum  # noqa: E402
 
 CEILING_GBS = 2975.0  # H100 device-to-device copy, bytes read + written (BENCHMARKS.md)
 SHAPES = {"gpt2": (12, 12), "smollm2": (9, 3)}  # heads, kv heads; head_dim 64
@@ -193,21 +193,13 @@ def bench_decode(shape, batch, ctx, heads, kv_heads) -> dict:
             "in_order_us": in_order_us}
 
 
-@triton.jit
-def _read_kernel(x_ptr, out_ptr, n_per, BLOCK: tl.constexpr):
-    base = tl.program_id(0).to(tl.int64) * n_per
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(0, n_per, BLOCK):
-        acc += tl.load(x_ptr + base + i + tl.arange(0, BLOCK)).to(tl.float32)
-    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
-
-
 def read_ceiling_gbs(nbytes=768 << 20, programs=768, block=4096) -> float:
-    """A second, read-only ceiling: a plain Triton kernel streaming contiguous fp16 (each program 1 MB)."""
-    x = torch.empty(2, nbytes // 2, device=DEVICE, dtype=DTYPE).normal_()
+    """A second, read-only ceiling: a plain Triton kernel streaming contiguous fp16 (each program 1 MB); the
+    kernel `rose bench` measures each device's read ceiling with (rosecli.kernels.stream_read)."""
     n_per = nbytes // 2 // programs // block * block
+    x = torch.empty(2, programs * n_per, device=DEVICE, dtype=DTYPE).normal_()
     out = torch.empty(programs, device=DEVICE)
-    us = graph_us([lambda i=i: _read_kernel[(programs,)](x[i], out, n_per, BLOCK=block, num_warps=4) for i in range(2)])
+    us = graph_us([lambda i=i: stream_read_sum(x[i], out, block=block) for i in range(2)])
     del x
     return programs * n_per * DTYPE.itemsize / us / 1e3
 

@@ -2,7 +2,8 @@
 # W1's shape (64 requests x 256 new tokens, all at once) through `rose bench serve` against a
 # `rose serve-local` on the same engine and model, beside `rose bench stream` in-process: the
 # HTTP/SSE cost per token and on TTFT. Extra arguments go to both engines (e.g. --device cpu).
-#   [LOAD="--input-len 8 ..."] [NUM=64] bash scripts/serve_vs_stream.sh [--model gpt2] [--port 8123] [engine args...]
+#   [LOAD="--input-len 8 ..."] [NUM=64] [SERVE_EXTRA="--no-engine-process"] [TAG=x] \
+#     bash scripts/serve_vs_stream.sh [--model gpt2] [--port 8123] [engine args...]
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
 model=gpt2; port=8123
@@ -16,7 +17,9 @@ echo "### bench stream (in process)"
 python3 -m rosecli bench stream "${engine[@]}" "${load[@]}" --num-requests "$num" --no-stop-on-eos \
   --save-result "$OUT/w1_stream.json" | tail -12
 echo "### bench serve (HTTP/SSE against rose serve-local)"
-python3 -m rosecli serve-local "${engine[@]}" --port "$port" >"$OUT/server.log" 2>&1 &
+read -r -a serve_extra <<<"${SERVE_EXTRA:-}"
+tag=${TAG:-}
+python3 -m rosecli serve-local "${engine[@]}" "${serve_extra[@]}" --port "$port" >"$OUT/server$tag.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 1 120); do
@@ -24,5 +27,5 @@ for _ in $(seq 1 120); do
   sleep 1
 done
 python3 -m rosecli bench serve --base-url "http://127.0.0.1:$port" "${load[@]}" --num-prompts "$num" \
-  --save-result "$OUT/w1_serve.json" | tail -30
-python3 -m rosecli bench compare "$OUT/w1_stream.json" "$OUT/w1_serve.json" | tail -30
+  --save-result "$OUT/w1_serve$tag.json" | tail -30
+python3 -m rosecli bench compare "$OUT/w1_stream.json" "$OUT/w1_serve$tag.json" | tail -30

@@ -35,14 +35,15 @@ class LiveServer:
     """One engine + manager + app on uvicorn in a background thread, on a free loopback port."""
 
     def __init__(self, cache_dir: str, api_key=None, profile_dir=None, read_timeout=30.0, shutdown_timeout=5.0,
-                 max_request_bytes=4 * 1024 * 1024, **engine_kw):
+                 max_request_bytes=4 * 1024 * 1024, read_ceiling_gbs=None, **engine_kw):
         self.engine = LLMEngine(EngineConfig(model=MODEL, load_format="dummy", device="cpu", cache_dir=cache_dir,
                                              show_progress=False, **engine_kw))
         self.manager = StreamingManager(self.engine)
         self.dead_calls = 0
         self.app = create_app(self.manager, self.engine, api_key=api_key, served_model_name=MODEL,
                               profile_dir=profile_dir, on_engine_dead=self._on_dead,
-                              max_request_bytes=max_request_bytes, read_timeout=read_timeout)
+                              max_request_bytes=max_request_bytes, read_timeout=read_timeout,
+                              read_ceiling_gbs=read_ceiling_gbs)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]

@@ -104,9 +104,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_ends_streams_cleanly_and_exits_0(cache_dir):
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["in-process", "engine-process"])
+def test_sigterm_ends_streams_cleanly_and_exits_0(cache_dir, mode):
+    """With the engine in the server process or in its own: SIGTERM drains, ends the open streams
+    with an error event and [DONE], exits 0, and leaves no engine process behind."""
     port = _free_port()
-    proc = _serve(cache_dir, port, "--shutdown-timeout", "0.2")
+    extra = ("--engine-process",) if mode == "engine-process" else ("--no-engine-process",)
+    proc = _serve(cache_dir, port, "--shutdown-timeout", "0.2", *extra)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -130,6 +149,9 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(cache_dir):
                     got += list(lines)
             return [line for line in got if line]
 
+        children = [c for c in _children(proc.pid) if os.path.exists(f"/proc/{c}")]
+        if mode == "engine-process" and sys.platform.startswith("linux"):
+            assert children, "the engine should run in a child process"
         with ThreadPoolExecutor(4) as pool:
             streams = [pool.submit(stream) for _ in range(4)]
             first.wait(20)
@@ -137,6 +159,8 @@ def test_sigterm_ends_streams_cleanly_and_exits_0(cache_dir):
             ends = [s.result(timeout=30) for s in streams]
         out, err = proc.communicate(timeout=30)
         assert proc.returncode == 0, err
+        for child in children:  # the engine process went with the server
+            assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
         assert "Traceback" not in err and "CancelledError" not in err and "Cancel " not in err, err
         for lines in ends:
             assert lines[-1] == "data: [DONE]"

@@ -19,7 +19,9 @@ value and, per other document, a `CompareCell`: value, change (other - baseline)
     or more measured runs in each file.
 - ``noise``: the interval contains 0: the change is not told apart from run-to-run noise.
 - ``better`` / ``worse``: the interval lies on one side of 0, by the figure's direction:
-  throughput up is better, every time figure (TTFT, TPOT, ITL, latency, waits, wall) down is better.
+  throughput up is better, every time figure (TTFT, TPOT, ITL, latency, waits, wall) down is better;
+  of the distance to the floor (`bench.roofline`), read rate and share of the ceiling up, bytes and
+  step time per decode step down.
 - ``n/a``: no interval (no raw samples and fewer than two measured runs in a file);
   ``same``: no change; ``missing``: the figure is absent (null) in one of the two.
 
@@ -61,14 +63,23 @@ def comparable(kinds: set) -> bool:
     return len(kinds) <= 1 or any(kinds <= group for group in COMPARABLE)
 
 
+# the distance to the floor (rosecli.bench.roofline): label, unit
+_ROOFLINE = {"decode_bytes_per_step": ("Decode bytes per step", "MB"),
+             "decode_kv_bytes_per_step": ("Decode KV bytes per step", "MB"),
+             "decode_step_time": ("Decode step time", "ms"), "decode_read_gbs": ("Decode read rate", "GB/s"),
+             "roofline_share": ("Share of the read ceiling", "share")}
+
+
 def higher_is_better(figure: str) -> bool:
-    return figure.startswith("throughput") or figure == "goodput_share"
+    return figure.startswith("throughput") or figure in ("goodput_share", "decode_read_gbs", "roofline_share")
 
 
 def unit_of(figure: str) -> str:
     """Display unit: "tokens/s" for rates, "s" for whole-run times, "ms" for per-request times."""
     if figure in _REQUEST_RATES:
         return "req/s"
+    if figure in _ROOFLINE:
+        return _ROOFLINE[figure][1]
     if figure == "goodput_share":
         return "share"
     if higher_is_better(figure):
@@ -80,6 +91,8 @@ def label_of(figure: str) -> str:
     """``ttft_p99`` -> ``TTFT p99``; ``throughput_total`` -> ``Throughput (total)``."""
     if figure in _RATE_LABELS:
         return _RATE_LABELS[figure]
+    if figure in _ROOFLINE:
+        return _ROOFLINE[figure][0]
     if figure in _REQUEST_RATES:
         return _REQUEST_RATES[figure]
     if figure == "throughput_peak_output":

@@ -133,6 +133,7 @@ class RunMetrics:
     mean_chunk_tokens: float = float("nan")  # tokens per received chunk
     goodput_requests: float = float("nan")  # requests meeting every --goodput SLO / wall (req/s)
     goodput_share: float = float("nan")  # requests meeting every SLO / requests (failed ones included)
+    roofline: Optional[object] = None  # bench.roofline.DecodeRoofline of the run (a GPU engine), else None
 
     @property
     def tpot_left_out(self) -> int:
@@ -192,6 +193,8 @@ def flatten(r: RunMetrics) -> dict[str, float]:
            "wall_s": r.wall_s, "submit_wall_s": r.submit_wall_s}
     if not math.isnan(r.goodput_requests):
         out.update(throughput_goodput=r.goodput_requests, goodput_share=r.goodput_share)
+    if r.roofline is not None:
+        out.update(r.roofline.figures())
     for name, d in r.dists.items():
         for q in PERCENTILES:
             out[f"{name}_p{q}"] = getattr(d, f"p{q}")
@@ -234,6 +237,7 @@ class SchedRunMetrics:
     tpot_p99: Optional[float] = None
     latency_p50: Optional[float] = None
     latency_p99: Optional[float] = None
+    roofline: Optional[object] = None  # bench.roofline.DecodeRoofline of the run (a GPU engine), else None
 
 
 SCHED_FIGURES = ("decode_s", "total_s", "prefill_s", "throughput_decode", "throughput_total", "ttft_p50", "ttft_p99",
@@ -265,8 +269,12 @@ def summarize_sched_run(run) -> SchedRunMetrics:
 
 
 def sched_figures(m: SchedRunMetrics) -> dict[str, float]:
-    """One sched run's figures under flat keys (SCHED_FIGURES), absent ones left out."""
-    return {k: getattr(m, k) for k in SCHED_FIGURES if getattr(m, k) is not None}
+    """One sched run's figures under flat keys (SCHED_FIGURES), absent ones left out, then the
+    roofline's (bench.roofline.FIGURES) when measured."""
+    out = {k: getattr(m, k) for k in SCHED_FIGURES if getattr(m, k) is not None}
+    if m.roofline is not None:
+        out.update(m.roofline.figures())
+    return out
 
 
 def summarize_sched_runs(runs: Sequence[SchedRunMetrics]) -> dict[str, tuple[float, float]]:
@@ -275,6 +283,11 @@ def summarize_sched_runs(runs: Sequence[SchedRunMetrics]) -> dict[str, tuple[flo
     out = {}
     for name in SCHED_FIGURES:
         vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
+        if vals:
+            out[name] = (percentile(vals, 50), float(np.mean(vals)))
+    roofs = [r.roofline.figures() for r in runs if r.roofline is not None]
+    for name in roofs[0] if roofs else ():
+        vals = [f[name] for f in roofs if not math.isnan(f[name])]
         if vals:
             out[name] = (percentile(vals, 50), float(np.mean(vals)))
     return out
@@ -456,6 +469,7 @@ class ServeRunMetrics:
     usage_missing: int = 0  # completed without a usage event (output tokens estimated)
     client_cpu: float = float("nan")  # the client process's CPU time / duration (1.0 = one core busy throughout)
     failure_kinds: dict[str, int] = field(default_factory=dict)
+    roofline: Optional[object] = None  # bench.roofline.DecodeRoofline read from a rose server, else None
 
     @property
     def tpot_left_out(self) -> int:
@@ -535,6 +549,8 @@ def serve_flatten(m: ServeRunMetrics) -> dict[str, float]:
         out["throughput_achieved_rate"] = m.achieved_rate
     if not math.isnan(m.client_cpu):
         out["client_cpu_share"] = m.client_cpu
+    if m.roofline is not None:
+        out.update(m.roofline.figures())
     for name, d in m.dists.items():
         for k, v in d.pcts.items():
             out[f"{name}_{k}"] = v

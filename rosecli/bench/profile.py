@@ -11,6 +11,7 @@ and device time by kernel name)."""
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ class DecodeStepProfile:
     graph: bool  # the step replayed its CUDA graph (False: no graph for this size, run eagerly)
     step_us: float  # device time of one step
     kernels: list[tuple[str, int, float]]  # one eager step: (kernel name, launches, device us), most time first
+    step_bytes: Optional[int] = None  # what the step reads (weights + KV, `rosecli.engine.roofline`)
 
     @property
     def kernel_launches(self) -> int:
@@ -96,6 +98,39 @@ class DecodeStepProfile:
     @property
     def kernel_us(self) -> float:
         return sum(us for _, _, us in self.kernels)
+
+    def shares(self) -> dict[str, float]:
+        """Each `KERNEL_CATEGORIES` kind's share of the step's time, and ``gaps``: the step time no
+        kernel of the eager step accounts for (launch gaps; 0 when the kernels add up to more). The
+        shares are of the larger of the step time and the kernels' sum, so they add up to 1."""
+        per = dict.fromkeys(("gemm", "attention", "norm/rotary/activation", "sampling", "other"), 0.0)
+        for name, _, us in self.kernels:
+            per[kernel_category(name)] += us
+        whole = max(self.step_us, self.kernel_us)
+        if whole <= 0:
+            return {}
+        per["gaps"] = whole - self.kernel_us
+        return {k: v / whole for k, v in per.items()}
+
+
+# kernel name patterns by kind, tried in this order (the first match counts); the rest is "other"
+KERNEL_CATEGORIES = {
+    "sampling": r"argmax|arg_max|ArgMax|sampl|topk|top_k|_pass1_kernel|_pivot_kernel|_compact_kernel|_finish_kernel",
+    "attention": r"attention|attn|_decode_kernel|_merge_kernel|_prefill_kernel|flash|fmha|_store_kv|sdpa",
+    "gemm": r"gemm|gemv|xmma|cutlass|cublas|nvjet|matmul|splitK|wgmma|Kernel2\b",
+    # torch's elementwise kernels (the unfused rotary's multiplies and adds, casts) count here
+    "norm/rotary/activation": r"norm|rotary|rope|silu|gelu|elementwise|roll",
+}
+_CATEGORY_RES = [(kind, re.compile(pattern, re.I)) for kind, pattern in KERNEL_CATEGORIES.items()]
+
+
+def kernel_category(name: str) -> str:
+    """The kind of a kernel by its name (`KERNEL_CATEGORIES`): "other" when none matches (copies,
+    embedding lookups, casts)."""
+    for kind, pattern in _CATEGORY_RES:
+        if pattern.search(name):
+            return kind
+    return "other"
 
 
 def decode_batch_sizes(text: Optional[str], max_batch_size: int) -> list[int]:
@@ -130,6 +165,9 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
         raise ConfigError(f"--decode-batch-sizes: {max(batch_sizes)} is more than the engine decodes at once "
                           f"({limit}, --max-batch-size / --max-active-requests)")
     params = SamplingParams(max_new_tokens=engine.max_model_len, stop_on_eos=False)  # greedy: see rerun_decode
+    from rosecli.engine.roofline import decode_bytes
+
+    weights = decode_bytes(engine.loaded.model, engine.dtype)
     out = []
     for batch in batch_sizes:
         # distinct prompts, so no request reads another's KV blocks from the prefix cache
@@ -137,7 +175,11 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
                for i in range(batch)]
         while sched.waiting or sched.prefilling or sched.last_step_kind != "decode":
             sched.step()
+        before = runner.decode_counts()
         sched.step()  # a decode step of all of them, launched after the last prefill
+        after = runner.decode_counts()
+        step_bytes = (weights.total(*(a - b for a, b in zip(after, before))) if after[0] - before[0] == 1
+                      else None)
         max_context = max(len(sched.get(rid).token_ids) for rid in ids)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize(engine.device)
@@ -161,7 +203,7 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
                     k[0] += 1
                     k[1] += ev.device_time
         rows = sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
-        out.append(DecodeStepProfile(batch, context_len, graph, step_us, rows))
+        out.append(DecodeStepProfile(batch, context_len, graph, step_us, rows, step_bytes))
         for rid in ids:
             sched.discard_request(rid)
         while sched.has_unfinished():

@@ -47,6 +47,7 @@ from rich.text import Text
 from rosecli.bench.compare import CompareRow
 from rosecli.bench.metrics import (FIGURE_LABELS, SERVE_FIGURES, SERVE_LABELS, STREAM_FIGURES, Dist, RunMetrics,
                                    SchedRunMetrics, ServeRunMetrics, pct_key)
+from rosecli.bench.roofline import line as roofline_line
 
 _PLAIN_LABELS = dict(FIGURE_LABELS, queue_wait="Queue wait (post-tok)")
 _VERDICT_STYLE = {"better": "green", "worse": "red", "noise": "dim", "same": "dim", "n/a": "dim", "missing": "dim"}
@@ -122,7 +123,14 @@ def stream_lines(m: RunMetrics) -> list[str]:
     lines.append(f"Wall: {m.wall_s:.6f} s")
     if m.errors:
         lines.append(f"Errors: {m.errors}")
-    return lines
+    return lines + roofline_lines(m)
+
+
+def roofline_lines(m) -> list[str]:
+    """The run's distance to the floor (`bench.roofline`), one line; none without it (CPU, another server)."""
+    r = getattr(m, "roofline", None)
+    line = roofline_line(r.figures(), r.ceiling_gbs) if r is not None else None
+    return [line] if line else []
 
 
 def failure_kinds(failures: Sequence[tuple[str, str]]) -> str:
@@ -143,7 +151,7 @@ def sched_lines(m: SchedRunMetrics) -> list[str]:
         p50, p99 = getattr(m, f"{name}_p50"), getattr(m, f"{name}_p99")
         if p50 is not None:
             lines.append(f"{label} p50/p99: {_ms(p50)}/{_ms(p99)} {unit}")
-    return lines
+    return lines + roofline_lines(m)
 
 
 def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
@@ -295,7 +303,7 @@ class RunTable:
     def _render(self, layout: str) -> Table:
         table = Table(title=self.title or None, title_justify="left", caption=self.progress or None,
                       caption_justify="left", box=box.SIMPLE_HEAD if layout == "two-line" else box.HEAVY_HEAD)
-        cols = self._columns(layout)
+        cols = self._columns(layout) + self._roofline_columns()
         table.add_column("run", justify="left", no_wrap=True)
         for header, _ in cols:
             table.add_column(header, justify="right", no_wrap=True)
@@ -307,6 +315,17 @@ class RunTable:
             else:
                 table.add_row(name, *[cell(m) for _, cell in cols], style=style)
         return table
+
+    def _roofline_columns(self) -> list[tuple[str, Callable]]:
+        """Each run's decode read rate and its share of the device's read ceiling, when a run has them."""
+        if not any(getattr(m, "roofline", None) is not None for _, _, m in self.rows):
+            return []
+
+        def cell(m) -> str:
+            r = getattr(m, "roofline", None)
+            return "-" if r is None or not math.isfinite(r.share) else f"{r.gbs:,.0f} ({r.share * 100:.0f}%)"
+
+        return [("GB/s (% ceil)", cell)]
 
 
 def _runs(n: int) -> str:
@@ -410,7 +429,7 @@ def print_sched_summary(console: Console, mode: str, warmups: int, summary: dict
 def _fmt(unit: str, v: Optional[float], signed: bool = False) -> str:
     if _absent(v):
         return "-"
-    scale = 1e3 if unit == "ms" else 1.0
+    scale = 1e3 if unit == "ms" else 1e-6 if unit == "MB" else 1.0
     digits = 6 if unit == "s" else 2
     return f"{v * scale:{'+' if signed else ''},.{digits}f}"
 
@@ -521,7 +540,7 @@ def serve_lines(m: ServeRunMetrics) -> list[str]:
         lines.append(f"Request rate: target {m.target_rate:.2f}, achieved {m.achieved_rate:.2f} req/s")
     lines.append(f"Wall: {m.wall_s:.6f} s")
     lines += serve_warnings(m)
-    return lines
+    return lines + roofline_lines(m)
 
 
 CLIENT_BUSY = 0.9  # client CPU time / duration from which a run warns that the client may be the bottleneck

@@ -31,13 +31,16 @@ def _direct_throughput(engine, manager: StreamingManager, workload, params: Samp
 
 
 def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: int, repeats: int, table,
-                 against_direct: bool = False, goodput: dict | None = None, timeline: bool = False) -> dict:
+                 against_direct: bool = False, goodput: dict | None = None, timeline: bool = False,
+                 roofline=None) -> dict:
     """Returns {"runs": [...], "summary": {...}, "requests": [...], "measured": [RunMetrics],
     "failures": [(kind, message)] of the measured runs, "submitted": requests in the measured runs}.
     ``against_direct``: after each run, the same workload through the scheduler directly; its
     throughput is each run's and the summary's ``throughput_direct`` (the manager's overhead is
     throughput_direct / throughput_completion - 1). ``timeline``: record each measured run's
-    scheduler steps (`timeline.StepTimeline`); the result's "timelines" holds one per measured run."""
+    scheduler steps (`timeline.StepTimeline`); the result's "timelines" holds one per measured run.
+    ``roofline``: a `roofline.EngineProbe` (GPU engines): each run's decode bytes, GB/s and share
+    of the read ceiling go into its metrics and figures."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     manager = StreamingManager(engine, record_timestamps=True)
     runs, raw, measured, failures, timelines = [], [], [], [], []
@@ -46,6 +49,7 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
             engine.scheduler.reset_prefix_cache()  # every run starts from the same cache state
             table.start_run(label, warmup)
             recorder = StepTimeline(engine.scheduler).attach() if timeline and not warmup else None
+            before = roofline.snapshot(manager) if roofline is not None else None
             try:
                 run = run_stream(manager, workload, params, table.update)
             finally:
@@ -55,6 +59,8 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
                 recorder.t0 = run.wall_start
                 timelines.append(recorder.columns())
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
+            if roofline is not None:
+                m.roofline = roofline.between(before, roofline.snapshot(manager))
             if goodput:  # --goodput: the requests meeting every SLO, as vLLM (metrics.meets_slo)
                 m.goodput_requests, m.goodput_share = metrics.stream_goodput(run.timings, goodput, m.wall_s,
                                                                              len(run.failures))
@@ -79,14 +85,18 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
 
 
 def bench_sched(engine, spec: WorkloadSpec, params: SamplingParams, mode: str, warmups: int, repeats: int,
-                table) -> dict:
+                table, roofline=None) -> dict:
+    """``roofline``: as `bench_stream`'s; the decode time is the run's decode_s."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     runs, measured, failures = [], [], []
     for label, warmup in _labels(warmups, repeats):
         engine.scheduler.reset_prefix_cache()
         table.start_run(label, warmup)
+        before = roofline.snapshot() if roofline is not None else None
         run = run_sched(engine.scheduler, workload, params, mode, table.update, inputs=engine.inputs)
         m = metrics.summarize_sched_run(run)
+        if roofline is not None:
+            m.roofline = roofline.between(before, roofline.snapshot(), run.decode_s)
         table.finish_run(m)
         runs.append({"label": label, "warmup": warmup, "figures": metrics.sched_figures(m),
                      "errors": [message for _, message in run.failures]})

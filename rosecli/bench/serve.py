@@ -29,21 +29,29 @@ def serve_request_records(timings, t0: float) -> list[dict]:
 
 def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[float], warmups: int, repeats: int,
                 table, *, max_concurrency: Optional[int] = None, percentiles=metrics.DEFAULT_METRIC_PERCENTILES,
-                goodput: Optional[dict] = None, request_rate: Optional[float] = None) -> dict:
+                goodput: Optional[dict] = None, request_rate: Optional[float] = None, roofline: bool = True) -> dict:
     """Every run sends the same requests on the same schedule over one client (connections kept
     between runs, as a long-lived client would). Returns {"runs", "summary", "requests",
     "measured": [ServeRunMetrics], "failures": [(kind, message)] of the measured runs,
-    "submitted"}."""
+    "submitted", "roofline": the server's ``GET /roofline`` before the first run, or None}.
+    ``roofline``: when the server is rose on a GPU (it answers ``GET /roofline``), its decode
+    counts are read before and after each run for the run's `roofline.DecodeRoofline`."""
+    from rosecli.bench import roofline as roof
+
+    stats = roof.server_stats(target.base_url, target.headers()) if roofline else None
 
     async def main() -> dict:
         runs, raw, measured, failures = [], [], [], []
         async with make_client(target, max_concurrency) as client:
             for label, warmup in _labels(warmups, repeats):
                 table.start_run(label, warmup)
+                before = roof.server_stats(target.base_url, target.headers()) if stats is not None else None
                 run = await run_serve(client, target, requests, offsets, max_concurrency, table.update)
                 m = metrics.summarize_serve_run(run.timings, run.wall_start, run.wall_end, percentiles, goodput,
                                                 request_rate, expect_full_outputs=target.ignore_eos,
                                                 client_cpu_s=run.cpu_s)
+                if before is not None:
+                    m.roofline = roof.server_between(before, roof.server_stats(target.base_url, target.headers()))
                 table.finish_run(m)
                 errors = [t.error for t in run.timings if not t.success]
                 runs.append({"label": label, "warmup": warmup, "figures": metrics.serve_flatten(m),
@@ -59,6 +67,6 @@ def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[floa
         from rosecli.bench.metrics import median_figures
 
         return {"runs": runs, "summary": median_figures([r["figures"] for r in runs if not r["warmup"]]), "requests": raw, "measured": measured,
-                "failures": failures, "submitted": len(requests) * repeats}
+                "failures": failures, "submitted": len(requests) * repeats, "roofline": stats}
 
     return asyncio.run(main())

@@ -23,7 +23,9 @@ FIGURES_HELP = ("Figures (per run, p50/p95/p99): TTFT = first token received - s
                 "client receives; latency = finish - submit; queue wait = admitted - tokenized; submit lag = submit "
                 "- scheduled time. Throughput = tokens / (last finish - first submit). Percentiles interpolate "
                 "linearly between closest ranks. The summary is the median over measured runs; start-up is "
-                "reported on its own, never inside a run.")
+                "reported on its own, never inside a run. On a GPU: decode bytes per step (weights + the KV of the "
+                "batch's context lengths), decode step time, GB/s read and its share of the device's read ceiling "
+                "(measured once per device, cached; docs/bench-metrics.md).")
 
 SaveResult = Annotated[Optional[str], typer.Option("--save-result", metavar="FILE", help="Write configuration, environment, "
                                                    "per-run figures and raw timestamps to this JSON file "
@@ -100,6 +102,31 @@ def _start(config, console_err: Console):
     return start_engine(config, console_err)
 
 
+def _roofline(engine, console_err: Console):
+    """The engine's `bench.roofline.EngineProbe` on a GPU (its read ceiling measured once per device,
+    then cached), None on CPU: no figures, no cost."""
+    from rosecli.bench.roofline import engine_probe
+
+    return engine_probe(engine, lambda msg: console_err.print(msg, highlight=False, markup=False))
+
+
+def _roofline_env(probe) -> Optional[dict]:
+    """The result file's environment, with the read ceiling and what a decode step reads when measured."""
+    if probe is None:
+        return None
+    from rosecli.bench import results
+
+    return {**results.environment(), "read_ceiling_gbs": probe.ceiling_gbs, **probe.weights}
+
+
+def _print_roofline_summary(console: Console, summary: dict, probe) -> None:
+    from rosecli.bench.roofline import line
+
+    if probe is not None and (text := line(summary, probe.ceiling_gbs)):
+        console.print(text.replace("Decode roofline:", "Decode roofline (median):", 1), highlight=False,
+                      markup=False, soft_wrap=True)
+
+
 def _header(engine, spec, config) -> dict:
     return {"Model": engine.model_name, "Device": engine.device.type, "Dtype": str(engine.dtype).removeprefix("torch."),
             "Paged attention": engine.runner.use_triton, "CUDA Graph": bool(engine.runner.graphs),
@@ -148,6 +175,7 @@ def stream(
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
+        probe = _roofline(engine, err)
         header = _header(engine, spec, config)
         header.update({"Pretok": spec.pretok, "Tokenize workers": config.tokenize_workers,
                        "Stream interval": config.stream_interval})
@@ -161,8 +189,9 @@ def stream(
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "stream", "streaming benchmark") as table:
             out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, against_direct,
-                               goodput=slo or None, timeline=timeline)
+                               goodput=slo or None, timeline=timeline, roofline=probe)
         report.print_stream_summary(console, out["measured"], out["summary"])
+        _print_roofline_summary(console, out["summary"], probe)
         if against_direct and (line := report.against_direct_line(out["summary"])):
             console.print(line, highlight=False)
         if slo:
@@ -174,7 +203,7 @@ def stream(
                 console.print(f"run {i + 1}: {summary_line(tl)}", highlight=False, markup=False, soft_wrap=True)
         if save_result is not None:
             doc = results.build_result("stream", _config_dict(config, spec, params), engine.startup_times,
-                                       out["runs"], out["summary"], out["requests"])
+                                       out["runs"], out["summary"], out["requests"], env=_roofline_env(probe))
             if timeline:  # one column set per measured run (rosecli.bench.timeline)
                 doc["timelines"] = results._finite(out["timelines"])
             results.write_document(save_result, doc)
@@ -203,16 +232,18 @@ def sched(
     console, err = Console(), Console(stderr=True)
     engine = _start(config, err)
     try:
+        probe = _roofline(engine, err)
         console.print("=== scheduler benchmark ===", highlight=False)
         for line in report.header_lines({**_header(engine, spec, config), "Mode": mode}):
             console.print(line, highlight=False)
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:
-            out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table)
+            out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table, roofline=probe)
         report.print_sched_summary(console, mode, warmup_runs, out["pairs"], len(out["measured"]))
+        _print_roofline_summary(console, out["summary"], probe)
         if save_result is not None:
             results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
-                                engine.startup_times, out["runs"], out["summary"])
+                                engine.startup_times, out["runs"], out["summary"], env=_roofline_env(probe))
             console.print(f"saved {save_result}", highlight=False)
         report_failures(console, out["failures"], out["submitted"])
     finally:
@@ -357,6 +388,13 @@ def serve(
                           percentiles=percentiles, goodput=slo or None, request_rate=request_rate)
     report.print_serve_summary(console, out["measured"], out["summary"],
                                {"max_concurrency": max_concurrency, "request_rate": request_rate})
+    server_roof = out["roofline"]  # a rose server on a GPU: its read ceiling and what a decode step reads
+    if server_roof is not None:
+        from rosecli.bench.roofline import line
+
+        if text := line(out["summary"], server_roof["read_ceiling_gbs"]):
+            console.print(text.replace("Decode roofline:", "Decode roofline (median, server):", 1), highlight=False,
+                          markup=False, soft_wrap=True)
     if save_result is not None:
         config = {"base_url": target.base_url, "endpoint": endpoint, "model": target.model, "dataset": dataset,
                   "dataset_path": dataset_path, "num_requests": num_prompts, "input_len": spec.input_len,
@@ -366,7 +404,12 @@ def serve(
                   "repeat_runs": repeat_runs, "temperature": target.extra_body["temperature"], **given,
                   "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles),
                   "goodput_ms": {k: v * 1e3 for k, v in slo.items()}, "tokenizer": tokenizer}
-        results.save_result(save_result, "serve", config, {}, out["runs"], out["summary"], out["requests"])
+        env = None
+        if server_roof is not None:  # the server's device, not this client's
+            env = {**results.environment(), "read_ceiling_gbs": server_roof["read_ceiling_gbs"],
+                   **{k: server_roof[k] for k in ("weight_bytes_per_step", "embedding_row_bytes",
+                                                  "kv_bytes_per_token")}}
+        results.save_result(save_result, "serve", config, {}, out["runs"], out["summary"], out["requests"], env=env)
         console.print(f"saved {save_result}", highlight=False)
     report_failures(console, out["failures"], out["submitted"])
 

@@ -89,10 +89,13 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
         raise ConfigError(f"--decode-step times CUDA graph replays and CUDA kernels and needs a CUDA GPU ({where}): "
                           "leave out --decode-step (rose profile without it prints host time per stage)")
     context = input_len if input_len is not None else DEFAULT_DECODE_CONTEXT
-    console = Console()
-    engine = start_engine(config, Console(stderr=True))
+    console, err = Console(), Console(stderr=True)
+    engine = start_engine(config, err)
     try:
         rows = profile_decode_step(engine, sizes, context)
+        from rosecli.bench.roofline import engine_probe
+
+        probe = engine_probe(engine, lambda msg: err.print(msg, highlight=False, markup=False))
     finally:
         engine.close()
     console.print(f"{torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}, model "
@@ -103,5 +106,14 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
         console.print(f"B={r.batch}: {how} {r.step_us:.1f} us/step ({r.batch / r.step_us * 1e6:,.0f} tok/s "
                       f"device-bound); eager step: {r.kernel_launches} kernels, {r.kernel_us:.1f} us of kernel time",
                       highlight=False, soft_wrap=True)
+        if r.step_bytes is not None and probe is not None:
+            floor_us = r.step_bytes / (probe.ceiling_gbs * 1e3)
+            console.print(f"   floor: {r.step_bytes / 1e6:.1f} MB read at the {probe.ceiling_gbs:.0f} GB/s read "
+                          f"ceiling = {floor_us:.1f} us; this step {r.step_bytes / r.step_us / 1e3:.0f} GB/s, "
+                          f"{floor_us / r.step_us * 100:.1f}% of the ceiling", highlight=False, soft_wrap=True)
+        shares = r.shares()
+        if shares:
+            console.print("   time: " + ", ".join(f"{k} {v * 100:.1f}%" for k, v in shares.items()), highlight=False,
+                          markup=False, soft_wrap=True)
         for name, n, us in r.kernels[:14]:
             console.print(f"   {n:4d} x {us / n:7.2f} us  {name[:90]}", highlight=False, markup=False, soft_wrap=True)

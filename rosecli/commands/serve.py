@@ -19,6 +19,29 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
+def serve_read_ceiling(engine, say):
+    """The device's read ceiling for GET /roofline (rose bench serve's distance to the floor): measured
+    once per device, then cached; None on CPU or when the measurement fails (the server serves without it)."""
+    from rosecli.engine.config import cache_root
+    from rosecli.engine.roofline import device_read_ceiling
+
+    try:
+        return device_read_ceiling(engine.device, cache_root(engine.config),
+                                   lambda key: say(f"measuring the read ceiling of {key} (once)"))
+    except Exception as e:  # noqa: BLE001 - bench serve then shows no distance to the floor
+        say(f"note: the device's read ceiling was not measured ({type(e).__name__}: {e})")
+        return None
+
+
+def _on_cuda(config: EngineConfig) -> bool:
+    """Whether the engine will run on a CUDA device (``--device auto`` asks torch)."""
+    if config.device != "auto":
+        return config.device == "cuda"
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @o.user_errors
 @o.with_options(o.engine_options())
 def serve_local(
@@ -44,6 +67,11 @@ def serve_local(
     read_timeout: Annotated[float, typer.Option("--read-timeout", help="Seconds a client may take to send a "
                                                 "request's headers, and again its body (408 beyond).",
                                                 rich_help_panel=SERVER)] = 30.0,
+    engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process",
+                                                           help="Run the engine in a process of its own, so HTTP "
+                                                           "work and engine work do not share the GIL (default: on "
+                                                           "CUDA, unless --profile-dir).",
+                                                           rich_help_panel=SERVER)] = None,
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT, seconds "
                                                     "running requests get to finish before they are ended.",
                                                     rich_help_panel=SERVER)] = 10.0,
@@ -71,14 +99,33 @@ def serve_local(
     except PortInUseError as e:
         o.fail(str(e), code=1)
     err = Console(stderr=True)
+    if engine_process and profile_dir is not None:
+        sock.close()
+        o.fail("--profile-dir needs the engine in the server process (the torch profiler records the process "
+               "that starts it): leave out --engine-process")
     try:
-        engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
+        if engine_process is None:
+            engine_process = profile_dir is None and _on_cuda(config)
+        if engine_process:
+            from rosecli.server.engine_process import start_engine_process
+
+            try:
+                manager, engine = start_engine_process(config)
+            except RuntimeError as e:
+                o.fail(f"the engine did not start: {e}", code=1)
+        else:
+            engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
+            from rosecli.engine.streaming import StreamingManager
+
+            manager = StreamingManager(engine)
     except BaseException:
         sock.close()
         raise
-    from rosecli.engine.streaming import StreamingManager
-
-    manager = StreamingManager(engine)
+    if engine_process:
+        ceiling_gbs = engine.read_ceiling_gbs  # measured in the engine's process
+    else:
+        ceiling = serve_read_ceiling(engine, lambda msg: err.print(msg, highlight=False, markup=False))
+        ceiling_gbs = ceiling.gbs if ceiling is not None else None
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
     try:
         died: list[bool] = []
@@ -92,7 +139,8 @@ def serve_local(
         name = served_model_name or config.model
         app = create_app(manager, engine, api_key=api_key, served_model_name=name, overload=overload,
                          profile_dir=profile_dir, on_engine_dead=on_engine_dead,
-                         max_request_bytes=max_request_bytes, read_timeout=read_timeout)
+                         max_request_bytes=max_request_bytes, read_timeout=read_timeout,
+                         read_ceiling_gbs=ceiling_gbs)
         server = make_server(app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout)
         err.print(f"[bold]{name}[/bold] on {engine.device.type}, context {engine.max_model_len}: OpenAI API at "
                   f"http://{host}:{port}/v1" + (" (API key required)" if api_key else ""), highlight=False)

@@ -166,6 +166,9 @@ class ModelRunner:
         self._sampler_pool = None
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
         self.startup_times: dict[str, float] = {}
+        # decode launches so far, the sequences they decoded and those sequences' context tokens
+        # (summed): what the benchmarks count the bytes a decode step reads from (engine/roofline.py)
+        self.decode_steps = self.decode_sequences = self.decode_context_tokens = 0
 
     # --- memory -----------------------------------------------------------------------------
     def _decide_num_blocks(self) -> int:
@@ -410,6 +413,7 @@ class ModelRunner:
             src, ids, pos, slots, ctx = st.row_views
             bt = st.block_tables
             max_ctx = 1
+            ctx_total = 0
             row_tables = st.row_tables
             for i, s in enumerate(seqs):
                 tokens = s.token_ids
@@ -430,6 +434,7 @@ class ModelRunner:
                 pos[i] = p
                 slots[i] = slot(table, p, bs)
                 ctx[i] = n
+                ctx_total += n
                 if row_tables[i] is not table:  # a row is rewritten only when its table was replaced
                     bt[i, :len(table)] = table
                     row_tables[i] = table
@@ -437,6 +442,9 @@ class ModelRunner:
                     max_ctx = n
             if rows > batch:
                 self._pad_rows(st, batch, rows)
+        self.decode_steps += 1
+        self.decode_sequences += batch
+        self.decode_context_tokens += ctx_total
         self._launch_rows, self._next_launch_rows = launch_rows, last_rows
         with stages.range("h2d_copy", rows):
             self._copy_decode_inputs(host, rows)
@@ -451,6 +459,11 @@ class ModelRunner:
             if ids_dev is not greedy:
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
+
+    def decode_counts(self) -> tuple[int, int, int]:
+        """(decode steps launched, sequences they decoded, those sequences' context tokens), summed
+        since start-up: two snapshots' difference is what the steps between them read."""
+        return self.decode_steps, self.decode_sequences, self.decode_context_tokens
 
     def collect(self, launch: DecodeLaunch) -> list[int]:
         """Wait for a launched decode step and return its sampled ids, one per sequence."""

@@ -95,6 +95,10 @@ class StreamingManager:
         self._stop = False
         self.error: Optional[BaseException] = None
         self.generated_tokens = 0  # tokens the engine produced so far (live progress; written by the stepping thread)
+        # seconds of decode steps so far, each from the end of the step before (host work between steps
+        # included) unless the engine idled: what the benchmarks divide a decode step's bytes by
+        self.decode_s = 0.0
+        self._step_end: Optional[float] = None
         self._tokenizer_pool = (ThreadPoolExecutor(cfg.tokenize_workers, thread_name_prefix="rose-tokenize")
                                 if cfg.tokenize_workers > 0 else None)
         self._thread = threading.Thread(target=self._worker, name="rose-engine", daemon=True)
@@ -261,6 +265,14 @@ class StreamingManager:
             self._wake.notify()
         return True
 
+    def decode_counts(self) -> dict:
+        """Decode steps launched, the sequences they decoded and those sequences' context tokens
+        (the runner's sums since start-up), and the seconds spent in decode steps: two snapshots'
+        difference is what the steps between them read, and how long they took (GET /roofline)."""
+        steps, seqs, ctx = self.engine.runner.decode_counts()
+        return {"decode_steps": steps, "decode_sequences": seqs, "decode_context_tokens": ctx,
+                "decode_s": self.decode_s}
+
     def stats(self) -> dict:
         """A snapshot for /metrics and the benchmarks (read without stopping the worker)."""
         s = self.scheduler
@@ -377,7 +389,13 @@ class StreamingManager:
             self.outputs.request_failed(req, e)
 
     def _step(self) -> None:
-        tokens = self.scheduler.step()
+        sched = self.scheduler
+        start = time.perf_counter()
+        tokens = sched.step()
+        end = time.perf_counter()
+        if sched.last_step_kind == "decode":  # from the step before's end, unless the engine idled since
+            self.decode_s += end - (self._step_end or start)
+        self._step_end = end if sched.has_unfinished() else None
         self.generated_tokens += len(tokens)
         finished = self.scheduler.pop_finished_ids()
         if not tokens and not finished:

@@ -694,11 +694,13 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
                overload: str = "reject", profile_dir: Optional[str] = None,
                on_engine_dead: Optional[Callable[[], None]] = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
+               read_timeout: float = DEFAULT_READ_TIMEOUT_S, read_ceiling_gbs: Optional[float] = None) -> FastAPI:
     """The app; its lifespan starts the bridge and, at shutdown, closes the manager (in-flight
     streams still open then end with an error event). ``on_engine_dead`` is called once, on the
     event loop, when the engine worker dies. The uvicorn server of ``rosecli.server.uvicorn_server`` calls
-    ``app.state.rose.drain`` on SIGTERM / SIGINT."""
+    ``app.state.rose.drain`` on SIGTERM / SIGINT. ``read_ceiling_gbs``: the device's read ceiling
+    (`rosecli.engine.roofline`), reported by ``GET /roofline`` with the decode counts `rose bench
+    serve` reads before and after each run (null on CPU)."""
     if overload not in OVERLOAD_MODES:
         raise ValueError(f"overload must be one of {', '.join(OVERLOAD_MODES)}, got {overload!r}")
     server = _Server(manager, engine, served_model_name or engine.model_name, overload, profile_dir,
@@ -757,6 +759,17 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    from rosecli.engine.roofline import decode_bytes
+
+    # an engine in another process (--engine-process) sends what its model reads per decode step
+    weights = getattr(engine, "decode_weights", None) or decode_bytes(engine.loaded.model, engine.dtype).as_dict()
+
+    @app.get("/roofline")
+    async def roofline():
+        """What a decode step reads (bytes), the decode counts so far and the device's read ceiling."""
+        counts = await asyncio.get_running_loop().run_in_executor(None, manager.decode_counts)
+        return {"device": engine.device.type, "read_ceiling_gbs": read_ceiling_gbs, **weights, **counts}
 
     def profiling_on() -> None:
         if server.profile_dir is None:

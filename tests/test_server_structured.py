@@ -206,3 +206,22 @@ def test_without_the_library_the_error_says_what_to_install(live, http, monkeypa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "install rosecli[structured]" in err["message"] and err["param"] == "guided_regex"
+
+
+def test_structured_output_with_the_engine_in_its_own_process(cache_dir):
+    """serve-local --engine-process: the server checks the grammar (a 400 names the field), the
+    child compiles it off its engine thread and constrains the output."""
+    from test_engine_process import RemoteServer
+
+    srv = RemoteServer(cache_dir)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "seed": 3, **COMMON,
+                                                        "response_format": {"type": "json_schema", "json_schema": {
+                                                            "name": "c", "schema": CITY}}})
+            assert r.status_code == 200, r.text
+            jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), CITY)
+            bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "(("})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    finally:
+        srv.stop()

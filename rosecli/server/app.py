@@ -303,6 +303,7 @@ class _Server:
         self.active = 0  # generation requests between arrival and their last byte
         self.draining = False  # shutdown began: new requests are refused
         self.closing = False  # the shutdown timeout ran out: open requests are being ended
+        self._grammar_checker = None  # compiles grammars here when the engine is in another process
         self.profiler: Optional[tuple] = None  # (torch profiler, trace path, auto-stop timer)
         self.export_pool = ThreadPoolExecutor(1, thread_name_prefix="rose-server-profile-export")
 
@@ -357,11 +358,15 @@ class _Server:
         """Compile (or find cached) a request's grammar off the event loop, before it is admitted:
         one that does not compile, or a server without the library, is a 400 naming the field."""
         structured = getattr(self.engine, "structured", None)
-        try:
+        if structured is None:  # the engine runs in its own process: check it here, on a compiler of our own
+            structured = self._grammar_checker
             if structured is None:
-                from rosecli.engine.structured import INSTALL_HINT
+                from rosecli.engine.structured import StructuredOutput
 
-                raise RequestError(INSTALL_HINT, spec.param)
+                tok = self.engine.tokenizer
+                eos = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+                structured = self._grammar_checker = StructuredOutput(tok, self.inputs.vocab_size, eos, "cpu", 1)
+        try:
             await self.tokenize(structured.compile, spec)
         except RequestError as e:
             raise p.bad_request(str(e), e.param) from None

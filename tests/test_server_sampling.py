@@ -140,19 +140,19 @@ def test_min_tokens_keeps_a_stop_string_from_ending_the_request(http):
 # --- refused -----------------------------------------------------------------------------------
 
 COMMON_REFUSED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("parallel_tool_calls", False),
-    ("response_format", {"type": "json_object"}), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1), ("guided_json", {}),
-    ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "g"), ("structured_outputs", {}),
-    ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+    ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
 ]
-COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end")]
-CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True),
+# tools are a chat feature (tests/test_server_structured.py has them, and structured output)
+COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end"),
+                                      ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                      ("tool_choice", "required"), ("parallel_tool_calls", False)]
+CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True), ("tool_choice", "auto"),
                                  ("add_generation_prompt", False), ("continue_final_message", True),
                                  ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"enable_thinking": True}),
                                  ("documents", [{"text": "d"}])]
@@ -237,9 +237,9 @@ def test_the_openai_client_hears_each_refusal(live):
         ("logprobs", lambda: client.completions.create(model=MODEL, prompt="hi", logprobs=21)),
         ("top_logprobs", lambda: client.chat.completions.create(model=MODEL, messages=MSG, logprobs=True,
                                                                 top_logprobs=21)),
-        ("response_format", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
-                                                                   response_format={"type": "json_object"})),
-        ("tools", lambda: client.chat.completions.create(
+        ("response_format.type", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
+                                                                        response_format={"type": "yaml"})),
+        ("tool_choice", lambda: client.chat.completions.create(
             model=MODEL, messages=MSG, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
         ("logit_bias", lambda: client.chat.completions.create(model=MODEL, messages=MSG,
                                                               logit_bias={"999999": 1})),

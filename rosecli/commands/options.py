@@ -30,7 +30,7 @@ import typer
 from rosecli.bench.workload import SCHEDULES, WorkloadSpec
 from rosecli.engine.config import (CPU_WEIGHTS, DEVICES, DTYPES, LOAD_FORMATS, MAX_INT32, MAX_SEED, EngineConfig,
                                    SamplingParams, default_threads)
-from rosecli.engine.errors import ConfigError, RoseError
+from rosecli.engine.errors import ConfigError, RequestError, RoseError
 
 ENGINE = "Engine"
 SAMPLING = "Sampling"
@@ -152,6 +152,10 @@ SAMPLING_OPTIONS: dict[str, Opt] = {
     "stop_on_eos": Opt("--stop-on-eos/--no-stop-on-eos", bool, "Stop at the model's EOS token.", SAMPLING),
     "stop": Opt("--stop", Optional[list[str]], "Stop string (repeatable); not included in the output.", SAMPLING,
                 default=None, metavar="TEXT"),
+    "json_schema": Opt("--json-schema", Optional[str], "Constrain the output to JSON valid against the JSON schema "
+                       "in FILE (needs rosecli[structured]).", SAMPLING, default=None, metavar="FILE"),
+    "regex": Opt("--regex", Optional[str], "Constrain the output to a full match of this regular expression (needs "
+                 "rosecli[structured]).", SAMPLING, default=None, metavar="REGEX"),
 }
 
 WORKLOAD_OPTIONS: dict[str, Opt] = {
@@ -227,8 +231,34 @@ def build_sampling_params(values: dict) -> SamplingParams:
     stop = kwargs.pop("stop", None) or []
     for s in stop:
         check_text("--stop", s)
+    structured = _grammar(values.get("json_schema"), values.get("regex"))
     with flag_names():
-        return SamplingParams(**kwargs, stop=list(stop))
+        return SamplingParams(**kwargs, stop=list(stop), structured=structured)
+
+
+def _grammar(schema_file: Optional[str], regex: Optional[str]):
+    """--json-schema FILE / --regex as the grammar the output must match (None: neither given)."""
+    if schema_file is None and regex is None:
+        return None
+    if schema_file is not None and regex is not None:
+        raise ConfigError("--json-schema and --regex both constrain the output: give one of them")
+    from rosecli.engine import structured
+
+    flag = "--json-schema" if schema_file is not None else "--regex"
+    if not structured.available():
+        raise ConfigError(f"{flag} needs the xgrammar library: install rosecli[structured] (pip install xgrammar)")
+    if regex is not None:
+        if not regex:
+            raise ConfigError("--regex must not be empty")
+        return structured.GrammarSpec("regex", regex, "--regex")
+    try:
+        text = pathlib.Path(schema_file).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--json-schema: cannot read {schema_file}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        return structured.GrammarSpec.json_schema(text, "--json-schema")
+    except RequestError as e:
+        raise ConfigError(f"{e} (in {schema_file})") from None
 
 
 def build_workload_spec(values: dict) -> WorkloadSpec:

@@ -245,6 +245,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # structured output: a rosecli.engine.structured.GrammarSpec the output must match (None: free)
+    structured: Optional[object] = None
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
@@ -300,4 +302,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        if self.structured is not None:
+            from rosecli.engine.structured import GrammarSpec
+
+            _check(isinstance(self.structured, GrammarSpec),
+                   f"structured must be a GrammarSpec, got {type(self.structured).__name__}")
+            # the output ends where the grammar does, on EOS: nothing may hold EOS back or ignore it
+            _check(self.stop_on_eos, "stop_on_eos cannot be off with structured output (ignore_eos, --no-stop-on-eos): "
+                                     "the output ends with EOS where the grammar ends")
+            _check(self.min_tokens == 0, "min_tokens cannot be used with structured output (it would hold back the "
+                                         "EOS that ends a complete output)")
 

@@ -48,13 +48,15 @@ class InputProcessor:
     def has_chat_template(self) -> bool:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
-    def chat(self, messages: Union[str, list[dict]]) -> list[int]:
-        """The chat template applied to ``messages`` (a string is one user message), with the
-        generation prompt; a template that refuses the messages is a RequestError."""
+    def chat(self, messages: Union[str, list[dict]], tools: Optional[list[dict]] = None) -> list[int]:
+        """The chat template applied to ``messages`` (a string is one user message) and ``tools``
+        (OpenAI's function definitions, for a template that shows them), with the generation
+        prompt; a template that refuses the messages is a RequestError."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            kw = {"tools": tools} if tools else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:
             # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose
             # message is written for the user); anything else is the template tripping over what

@@ -89,6 +89,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.runner, self.loaded.eos_token_ids, self.max_model_len, self.stages)
         vocab_size = getattr(self.loaded.model, "vocab_size", None) or len(self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, vocab_size, self.scheduler.block_manager)
+        from rosecli.engine.structured import StructuredOutput
+
+        # grammars for structured output (the library loads on the first request that asks for one)
+        self.structured = self.runner.structured = StructuredOutput(
+            self.tokenizer, self.runner.sampler.vocab_size, self.loaded.eos_token_ids, self.device,
+            self.runner.num_sampling_slots)
 
     @property
     def model_name(self) -> str:

@@ -164,6 +164,7 @@ class ModelRunner:
         # the last prefill's prompt logprobs: {request id: (first position, [TokenLogprobs ...])}
         self.prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = {}
         self.prefill_logprobs: dict[int, TokenLogprobs] = {}  # the last prefill's sampled tokens'
+        self.structured = None  # rosecli.engine.structured.StructuredOutput, set by the engine when available
         self.num_blocks = self._decide_num_blocks()
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
@@ -475,7 +476,7 @@ class ModelRunner:
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None)
+            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows)
             if ids_dev is not greedy:
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
@@ -513,7 +514,7 @@ class ModelRunner:
         return graph is not None
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                flip: int, static: bool = False) -> torch.Tensor:
+                flip: int, static: bool = False, last_rows: Optional[dict] = None) -> torch.Tensor:
         """The batch's next ids on the device. Every request gets its sampling slot on its first
         sampled token; while every admitted request is plain greedy, the model's argmax (computed
         inside the decode graph) is the answer and the sampler is not called. ``static``: ``logits``
@@ -523,7 +524,7 @@ class ModelRunner:
             if s.request_id not in slots:
                 self._acquire(s)
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
-        ids = self._sample_ids(seqs, logits, greedy, flip, static)
+        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows)
         if lp is not None:
             rows, ks, rows_t, lp = lp
             self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
@@ -544,7 +545,7 @@ class ModelRunner:
         return rows, ks, rows_t, row_logprobs(logits.index_select(0, rows_t))
 
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                    flip: int, static: bool) -> torch.Tensor:
+                    flip: int, static: bool, last_rows: Optional[dict] = None) -> torch.Tensor:
         if not self._special:
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
@@ -555,6 +556,9 @@ class ModelRunner:
             h[i] = slots[s.request_id]
         d = self._d_slot_rows[:batch]
         d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
+        if self.structured is not None and self.structured.active:  # grammar rows: masked in place, eagerly
+            self.structured.mask_logits(seqs, logits, lambda rid: self._pending_token(rid, last_rows, flip ^ 1),
+                                        PENDING)
         st.flush()
         if not (static and self.use_graphs):
             return st.sample(logits, d).token_ids
@@ -567,6 +571,14 @@ class ModelRunner:
         if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
+
+    def _pending_token(self, request_id: int, last_rows: dict, prev_flip: int) -> int:
+        """The token the previous decode launch sampled for a request (overlap: not read back by the
+        scheduler yet): waits for that launch, whose copy was queued before this step's forward."""
+        event = self._events[prev_flip]
+        if event is not None:
+            event.synchronize()
+        return int(self.np_sampled[prev_flip][last_rows[request_id]])
 
     def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
         """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
@@ -592,7 +604,7 @@ class ModelRunner:
         out = [t for t in seq.output_token_ids if t != PENDING]
         self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
                                                            output_ids=out, stop_ids=stop_ids)
-        if not _plain_greedy(p, bool(stop_ids)):
+        if not _plain_greedy(p, bool(stop_ids)) or getattr(p, "structured", None) is not None:
             self._special.add(seq.request_id)
         if p.logprobs is not None:
             self._logprob_ids.add(seq.request_id)
@@ -705,6 +717,13 @@ class ModelRunner:
         bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        spec = getattr(seq.params, "structured", None)
+        if spec is not None:
+            if self.structured is None:
+                from rosecli.engine.structured import INSTALL_HINT
+
+                raise RequestError(INSTALL_HINT, spec.param)
+            self.structured.add(seq.request_id, spec)  # compiled (or cached) here: a bad grammar fails alone
 
     def release(self, seq: Sequence) -> None:
         """Forget per-request state (its sampling slot) once the request is done."""
@@ -713,6 +732,8 @@ class ModelRunner:
             self.sampler.release(slot)
         self._special.discard(seq.request_id)
         self._logprob_ids.discard(seq.request_id)
+        if self.structured is not None:
+            self.structured.release(seq.request_id)
 
     def close(self) -> None:
         self.graphs.clear()

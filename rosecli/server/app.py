@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rosecli.engine.errors import OverloadedError, RequestError, RoseError
 from rosecli.engine.logprobs import TokenText
 from rosecli.engine.streaming import END, EngineDeadError
+from rosecli.server import guided
 from rosecli.server import protocol as p
 from rosecli.server.metrics import CONTENT_TYPE, ServerMetrics
 
@@ -374,6 +375,7 @@ class _Server:
         self.active = 0  # generation requests between arrival and their last byte
         self.draining = False  # shutdown began: new requests are refused
         self.closing = False  # the shutdown timeout ran out: open requests are being ended
+        self._grammar_checker = None  # compiles grammars here when the engine is in another process
         self.profiler: Optional[tuple] = None  # (torch profiler, trace path, auto-stop timer)
         self.export_pool = ThreadPoolExecutor(1, thread_name_prefix="rose-server-profile-export")
         self._token_text: Optional[TokenText] = None  # logprobs' token strings, made on first use
@@ -410,20 +412,37 @@ class _Server:
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
         return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _encode_chat(self, messages: list[dict]) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
         if not self.inputs.has_chat_template:
             raise p.bad_request(f"the model {self.model_name} has no chat template: use /v1/completions",
                                 "messages")
         try:
-            return self.inputs.chat(messages)
+            return self.inputs.chat(messages, tools=tools) if tools else self.inputs.chat(messages)
         except RequestError as e:
             if e.__cause__ is not None:
                 log.info("the chat template failed on a request's messages: %s: %s",
                          type(e.__cause__).__name__, e.__cause__)
             raise p.bad_request(str(e), "messages") from None
 
-    async def tokenize(self, fn, arg) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, arg)
+    async def tokenize(self, fn, *args) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn, *args)
+
+    async def compile_grammar(self, spec) -> None:
+        """Compile (or find cached) a request's grammar off the event loop, before it is admitted:
+        one that does not compile, or a server without the library, is a 400 naming the field."""
+        structured = getattr(self.engine, "structured", None)
+        if structured is None:  # the engine runs in its own process: check it here, on a compiler of our own
+            structured = self._grammar_checker
+            if structured is None:
+                from rosecli.engine.structured import StructuredOutput
+
+                tok = self.engine.tokenizer
+                eos = [tok.eos_token_id] if getattr(tok, "eos_token_id", None) is not None else []
+                structured = self._grammar_checker = StructuredOutput(tok, self.inputs.vocab_size, eos, "cpu", 1)
+        try:
+            await self.tokenize(structured.compile, spec)
+        except RequestError as e:
+            raise p.bad_request(str(e), e.param) from None
 
     async def submit(self, ids: list[int], params: list, prompt_param: str) -> tuple[list[int], asyncio.Queue]:
         """Hand the request's choices (one `SamplingParams` each) to the manager, whose input
@@ -503,8 +522,9 @@ class _Server:
         self.check_alive()
         prompt_param = "messages" if chat else "prompt"
         self.check_prompt_chars(req, prompt_param)
+        spec, tools = guided.grammar_spec(req)
         if chat:
-            ids = await self.tokenize(self._encode_chat, req.template_messages())
+            ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:
@@ -512,16 +532,23 @@ class _Server:
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
         params = p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
-                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs)
+                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs,
+                                   structured=spec)
+        if tools is not None and req.num_choices > 1:
+            raise p.bad_request("n must be 1 with tools: one tool-call message is returned", "n")
+        if spec is not None:
+            await self.compile_grammar(spec)
         rids, q = await self.submit(ids, p.choice_params(params, req.num_choices), prompt_param)
         env = p.Envelope(chat, req.model or self.model_name)
         out = _Choices(self, env, rids, params, ids, getattr(req, "echo", False) and self._echo_text(req, ids))
         headers = {"x-request-id": env.id}
         if req.stream:
-            return StreamingResponse(self._stream(out, q, req.include_usage, arrival),
+            stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
+                      else self._stream_tools(out, q, req.include_usage, arrival, tools))
+            return StreamingResponse(stream,
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, out, q, arrival, headers)
+        return await self._complete(request, out, q, arrival, headers, tools)
 
     def _echo_text(self, req: p.CompletionRequest, ids: list[int]) -> str:
         prompt = p.completion_prompt(req)
@@ -597,8 +624,67 @@ class _Server:
             self._finish_choices(out, arrival)  # the client went away: free the requests now
             self.active -= 1
 
+    async def _stream_tools(self, out: "_Choices", q: asyncio.Queue, include_usage: bool, arrival: float,
+                            tools: guided.ToolMode) -> AsyncIterator[str]:
+        """A chat stream whose one choice is constrained to tool calls: a named function's
+        arguments stream as deltas; calls as an array ("required") are sent whole once parsed."""
+        env = out.env
+        held: Optional[list[str]] = None if tools.name is not None else []
+        try:
+            yield _sse(env.chunk(text=None, role=True, include_usage=include_usage))  # a tool-call message: no content
+            if tools.name is not None:
+                yield _sse(env.tool_chunk([{"index": 0, **guided.tool_call(tools.name, "")}], include_usage))
+            last = None
+            while last is not END:
+                events = []
+                _, piece = await q.get()
+                while True:
+                    if piece is END or piece is _SHUTDOWN:
+                        last = piece
+                        break
+                    if held is None:
+                        events.append(_sse(env.tool_chunk([{"index": 0, "function": {"arguments": piece}}],
+                                                          include_usage)))
+                    else:
+                        held.append(piece)
+                    if q.empty():
+                        break
+                    _, piece = q.get_nowait()
+                if events:
+                    yield "".join(events)
+                if last is _SHUTDOWN:
+                    self._finish_choices(out, arrival)
+                    yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
+                    return
+            out.ended[0] = True
+            try:
+                o = out.outputs[0] = self.output(out.rids[0])
+            except RoseError as e:
+                self.metrics.finished("error", arrival)
+                yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
+                return
+            self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
+            finish = p.finish_reason(o.finish_reason)
+            tail = []
+            if held is not None:
+                calls = tools.calls("".join(held))
+                if calls:
+                    tail.append(_sse(env.tool_chunk([{"index": i, **c} for i, c in enumerate(calls)], include_usage)))
+                elif held:  # cut short: what was generated, as text
+                    tail.append(env.text_event("".join(held), include_usage))
+            if finish == "stop":
+                finish = "tool_calls"
+            tail.append(_sse(env.chunk(text=None, finish=finish, include_usage=include_usage)))
+            if include_usage:
+                tail.append(_sse(env.usage_chunk(out.usage())))
+            tail.append(_sse("[DONE]"))
+            yield "".join(tail)
+        finally:
+            self._finish_choices(out, arrival)  # the client went away: free the request now
+            self.active -= 1
+
     async def _complete(self, request: Request, out: "_Choices", q: asyncio.Queue, arrival: float,
-                        headers: dict) -> Response:
+                        headers: dict, tools: Optional[guided.ToolMode] = None) -> Response:
         def gone() -> None:
             q.put_nowait((None, _GONE))
             for rid in out.open_rids():
@@ -622,6 +708,13 @@ class _Server:
                     raise self._engine_failure(e) from None
             for o in out.outputs:
                 self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
+            if tools is not None:  # one choice (n > 1 is refused with tools): its text is the calls
+                o = out.outputs[0]
+                reason = p.finish_reason(o.finish_reason)
+                calls = tools.calls(o.text)
+                if calls and reason == "stop":
+                    reason = "tool_calls"
+                return JSONResponse(out.env.response([(o.text, reason, None)], out.usage(), calls), headers=headers)
             return JSONResponse(out.response(), headers=headers)
         finally:
             watcher.cancel()

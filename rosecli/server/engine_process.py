@@ -396,6 +396,8 @@ def _engine_main(config: EngineConfig, conn) -> None:
                 _, api_rid, token_ids, params = msg
                 with map_lock:
                     try:
+                        if getattr(params, "structured", None) is not None:  # compiled here, not on the
+                            engine.structured.compile(params.structured)  # engine's thread at admission
                         rid = manager.add_request(token_ids, params, wait=False, sink=sink)
                     except BaseException as e:  # noqa: BLE001 - this request fails; the engine goes on
                         send(("out", [], [(api_rid, None, e)]))

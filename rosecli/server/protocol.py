@@ -135,16 +135,14 @@ def _is(*neutral):
 # Fields this server does not declare (OpenAI's and vLLM's) that would change the output: each is
 # refused with a 400 naming it unless it holds a value that changes nothing (None, or the
 # neutral values given). The reason says what the server does instead.
-_NO_TOOLS = "this server has no tool (function) calling yet"
-_NO_STRUCTURED = "this server has no structured output (guided decoding) yet"
+_NO_TOOLS = "tool calling is a chat completions feature (/v1/chat/completions)"
 REFUSED: dict[str, tuple] = {
-    # OpenAI chat completions
+    # OpenAI chat completions (declared by the chat request; refused on /v1/completions)
     "tools": (_is([]), _NO_TOOLS),
     "tool_choice": (_is("none"), _NO_TOOLS),
-    "functions": (_is([]), _NO_TOOLS),
-    "function_call": (_is("none"), _NO_TOOLS),
+    "functions": (_is([]), "the deprecated functions API is not supported: use tools"),
+    "function_call": (_is("none"), "the deprecated functions API is not supported: use tool_choice"),
     "parallel_tool_calls": (_unset, _NO_TOOLS),
-    "response_format": (_is({"type": "text"}), f"{_NO_STRUCTURED}: {{\"type\": \"text\"}} is the one value accepted"),
     "audio": (_unset, "this server generates text only"),
     "modalities": (_is(["text"]), "this server generates text only: [\"text\"] is the one value accepted"),
     "prediction": (_unset, "this server has no predicted outputs"),
@@ -164,13 +162,8 @@ REFUSED: dict[str, tuple] = {
     "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
     "prompt_logprobs": (_unset, "use /v1/completions with echo and logprobs"),
-    "guided_json": (_unset, _NO_STRUCTURED),
-    "guided_regex": (_unset, _NO_STRUCTURED),
-    "guided_choice": (_unset, _NO_STRUCTURED),
-    "guided_grammar": (_unset, _NO_STRUCTURED),
-    "guided_decoding_backend": (_unset, _NO_STRUCTURED),
-    "guided_whitespace_pattern": (_unset, _NO_STRUCTURED),
-    "structured_outputs": (_unset, _NO_STRUCTURED),
+    "guided_decoding_backend": (_is("xgrammar", "auto"), "this server's structured output runs on xgrammar"),
+    "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
     "logits_processors": (_unset, "this server runs no custom logits processors"),
     "return_tokens_as_token_ids": (_is(False), "this server returns text only"),
     "return_token_ids": (_is(False), "this server returns text only"),
@@ -223,6 +216,13 @@ class SamplingRequest(BaseModel):
     min_p: Optional[float] = None
     min_tokens: Optional[int] = None
     user: Optional[str] = None
+    # structured output (checked by `grammar_spec`, which names the field)
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check_unsupported(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
@@ -288,6 +288,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -347,7 +350,7 @@ def _context_exceeded(message: str, param: str) -> APIError:
 
 def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int, *,
                     default_max_tokens: Optional[int], max_tokens: Optional[int], prompt_param: str,
-                    inputs: InputProcessor) -> SamplingParams:
+                    inputs: InputProcessor, structured=None) -> SamplingParams:
     """Check the sampling fields as the wire states them (OpenAI's ranges, and its refusal of a
     prompt plus ``max_tokens`` beyond the context); the engine's own checks come from ``inputs``
     (the vocabulary) and `SamplingParams`. A 400 names the field.
@@ -407,7 +410,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                                 top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
                                 stop_token_ids=stop_token_ids, min_tokens=min_tokens,
-                                logit_bias=logit_bias(req.logit_bias), **extra)
+                                logit_bias=logit_bias(req.logit_bias), structured=structured, **extra)
     except ConfigError as e:  # the engine's own checks: their messages begin with the field's name
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), {"max_new_tokens": max_param, "stop_on_eos": "ignore_eos"}.get(
@@ -562,6 +565,11 @@ class Envelope:
         return out
 
     # streaming
+    def tool_chunk(self, calls: list[dict], include_usage: bool = False) -> dict:
+        """A chat chunk whose delta holds tool-call deltas (each with its ``index``)."""
+        choice = {"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+        return self._wrap("chat.completion.chunk", [choice], None, include_usage)
+
     def chunk(self, text: Optional[str] = None, finish: Optional[str] = None, role: bool = False,
               include_usage: bool = False, index: int = 0, logprobs: Optional[dict] = None) -> dict:
         if self.chat:
@@ -592,11 +600,15 @@ class Envelope:
         return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage_, True)
 
     # non-streaming
-    def response(self, choices: list[tuple[str, str, Optional[dict]]], usage_: dict) -> dict:
-        """``choices``: (text, finish reason, logprobs or None) of each, in index order."""
+    def response(self, choices: list[tuple[str, str, Optional[dict]]], usage_: dict,
+                 tool_calls: Optional[list[dict]] = None) -> dict:
+        """``choices``: (text, finish reason, logprobs or None) of each, in index order.
+        ``tool_calls``: the one choice's message is these calls (chat, tools)."""
         if self.chat:
             out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": lp, "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
+            if tool_calls:
+                out[0]["message"].update(content=None, tool_calls=tool_calls)
             return self._wrap("chat.completion", out, usage_, True)
         out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
                for i, (text, finish, lp) in enumerate(choices)]

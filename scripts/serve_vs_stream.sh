@@ -2,7 +2,7 @@
 # W1's shape (64 requests x 256 new tokens, all at once) through `rose bench serve` against a
 # `rose serve-local` on the same engine and model, beside `rose bench stream` in-process: the
 # HTTP/SSE cost per token and on TTFT. Extra arguments go to both engines (e.g. --device cpu).
-#   [LOAD="--input-len 8 ..."] [NUM=64] [SERVE_EXTRA="--no-engine-process"] [TAG=x] \
+#   [LOAD="--input-len 8 ..."] [NUM=64] [SERVE_EXTRA="--no-engine-process"] [CLIENT_EXTRA="--client-processes 4"] [TAG=x] \
 #     bash scripts/serve_vs_stream.sh [--model gpt2] [--port 8123] [engine args...]
 set -uo pipefail
 OUT="${OUT:-gpu-out}"; mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
@@ -26,6 +26,7 @@ for _ in $(seq 1 120); do
   python3 -c "import httpx,sys; httpx.get('http://127.0.0.1:$port/health', timeout=1).raise_for_status()" 2>/dev/null && break
   sleep 1
 done
-python3 -m rosecli bench serve --base-url "http://127.0.0.1:$port" "${load[@]}" --num-prompts "$num" \
-  --save-result "$OUT/w1_serve$tag.json" | tail -30
+read -r -a client_extra <<<"${CLIENT_EXTRA:-}"
+python3 -m rosecli bench serve --base-url "http://127.0.0.1:$port" "${load[@]}" "${client_extra[@]}" --num-prompts "$num" \
+  --save-result "$OUT/w1_serve$tag.json" | tail -60
 python3 -m rosecli bench compare "$OUT/w1_stream.json" "$OUT/w1_serve$tag.json" | tail -30

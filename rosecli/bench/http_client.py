@@ -362,6 +362,13 @@ def _worker(conn, target: Target, requests: list[ServeRequest], offsets: list[fl
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the workers
 
     async def main() -> None:
+        import httpx
+
+        # the first request of a fresh process imports and sets up httpx's async path (~0.1 s): done
+        # here, as the parent's check_server did for itself, not in the first run (no connection kept)
+        with contextlib.suppress(Exception):
+            async with httpx.AsyncClient(base_url=target.base_url, timeout=10.0) as c:
+                await c.get("/v1/models", headers=target.headers())
         async with ClientPool(target) as pool:
             conn.send(("ready",))
             while (start := conn.recv()) is not None:  # between runs nothing else is on this loop
@@ -458,8 +465,10 @@ class ProcessClients:
         p.join(1)
         code = p.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        hint = (" (its error is above; a script that runs the benchmark needs `if __name__ == \"__main__\":`)"
+                if when == "while starting" else "")
         raise ClientProcessError(f"client process {w + 1} of {self.processes} (pid {p.pid}) {how} {when}; "
-                                 "the run has no figures")
+                                 f"the run has no figures{hint}")
 
     def _recv(self, w: int, when: str):
         try:

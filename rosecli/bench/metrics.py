@@ -467,7 +467,9 @@ class ServeRunMetrics:
     achieved_rate: float = float("nan")  # requests / (last dispatch - run start)
     short_outputs: int = 0  # completed with fewer output tokens than asked while ignore_eos was sent
     usage_missing: int = 0  # completed without a usage event (output tokens estimated)
-    client_cpu: float = float("nan")  # the client process's CPU time / duration (1.0 = one core busy throughout)
+    client_cpu: float = float("nan")  # the client process's CPU time / duration (1.0 = one core busy throughout);
+    # several client processes: the busiest one's
+    client_cpu_total: float = float("nan")  # several client processes: all their CPU time / duration
     failure_kinds: dict[str, int] = field(default_factory=dict)
     roofline: Optional[object] = None  # bench.roofline.DecodeRoofline read from a rose server, else None
 
@@ -479,10 +481,12 @@ class ServeRunMetrics:
 def summarize_serve_run(timings: Sequence[HttpTiming], wall_start: float, wall_end: float,
                         percentiles: Sequence[float] = DEFAULT_METRIC_PERCENTILES,
                         goodput: Optional[dict[str, float]] = None, request_rate: Optional[float] = None,
-                        expect_full_outputs: bool = False, client_cpu_s: float = float("nan")) -> ServeRunMetrics:
+                        expect_full_outputs: bool = False, client_cpu_s: float = float("nan"),
+                        client_cpu_total_s: float = float("nan")) -> ServeRunMetrics:
     """Figures of one `bench serve` run (definitions above). ``expect_full_outputs``: ignore_eos
     was sent, so a completed request with fewer tokens than asked counts in ``short_outputs``.
-    ``client_cpu_s``: the client's CPU time over the run (``client_cpu`` = it / duration)."""
+    ``client_cpu_s``: the client's CPU time over the run (``client_cpu`` = it / duration); with several
+    client processes the busiest one's, and ``client_cpu_total_s`` all of theirs."""
     pcts = tuple(sorted(set(percentiles) | {50.0}))
     ok = [t for t in timings if t.success]
     failed = [t for t in timings if not t.success]
@@ -525,6 +529,8 @@ def summarize_serve_run(timings: Sequence[HttpTiming], wall_start: float, wall_e
         per_s(prompt + completion), peak, concurrency, {k: PDist.of(v, pcts) for k, v in figs.items()}, pcts,
         failure_kinds=kinds, short_outputs=sum(expect_full_outputs and t.output_tokens < t.asked_tokens for t in ok),
         usage_missing=sum(not t.usage_reported for t in ok), client_cpu=client_cpu_s / wall if wall > 0 else float("nan"))
+    if wall > 0:
+        m.client_cpu_total = client_cpu_total_s / wall
     if goodput:
         m.goodput_requests = per_s(good)
         m.goodput_share = good / len(timings) if timings else float("nan")
@@ -549,6 +555,8 @@ def serve_flatten(m: ServeRunMetrics) -> dict[str, float]:
         out["throughput_achieved_rate"] = m.achieved_rate
     if not math.isnan(m.client_cpu):
         out["client_cpu_share"] = m.client_cpu
+    if not math.isnan(m.client_cpu_total):
+        out["client_cpu_total_share"] = m.client_cpu_total
     if m.roofline is not None:
         out.update(m.roofline.figures())
     for name, d in m.dists.items():

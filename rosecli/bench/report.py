@@ -556,7 +556,7 @@ def serve_warnings(m: ServeRunMetrics) -> list[str]:
                    "counted as events with text (an estimate)")
     if m.client_cpu >= CLIENT_BUSY:
         out.append(f"Client busy: this client used {100 * m.client_cpu:.0f}% of a core over the run; it may be what "
-                   "limits these figures (fewer concurrent streams, or run it on a less loaded machine)")
+                   "limits these figures (--client-processes N, fewer concurrent streams, or a less loaded machine)")
     return out
 
 
@@ -595,6 +595,8 @@ def serve_summary_lines(measured: Sequence[ServeRunMetrics], summary: dict, info
     lines.append(_row("Total token throughput (tok/s):", _num(summary.get("throughput_total"))))
     if not _absent(summary.get("client_cpu_share")):
         lines.append(_row("Client CPU busy (% of one core):", _num(100 * summary["client_cpu_share"])))
+    if not _absent(summary.get("client_cpu_total_share")):
+        lines.append(_row("Client CPU, all processes (% of a core):", _num(100 * summary["client_cpu_total_share"])))
     headers = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                "itl": "Inter-token Latency", "latency": "End-to-end Latency", "client_queue": "Client-side Queueing",
                "dispatch_lag": "Client dispatch lag (late vs schedule)"}

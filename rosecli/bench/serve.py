@@ -7,7 +7,7 @@ from typing import Optional
 
 from rosecli.bench import metrics
 from rosecli.bench.datasets import ServeRequest
-from rosecli.bench.http_client import Target, make_client, run_serve
+from rosecli.bench.http_client import ProcessClients, Target, make_client, resolve_client_processes, run_serve
 
 
 def _labels(warmups: int, repeats: int):
@@ -29,9 +29,13 @@ def serve_request_records(timings, t0: float) -> list[dict]:
 
 def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[float], warmups: int, repeats: int,
                 table, *, max_concurrency: Optional[int] = None, percentiles=metrics.DEFAULT_METRIC_PERCENTILES,
-                goodput: Optional[dict] = None, request_rate: Optional[float] = None, roofline: bool = True) -> dict:
+                goodput: Optional[dict] = None, request_rate: Optional[float] = None, roofline: bool = True,
+                client_processes=1) -> dict:
     """Every run sends the same requests on the same schedule over one client (connections kept
-    between runs, as a long-lived client would). Returns {"runs", "summary", "requests",
+    between runs, as a long-lived client would). ``client_processes`` (a count or "auto"): more than
+    one, the requests are split round-robin over that many client processes, started once here and
+    reused by every run (`http_client.ProcessClients`); their timings are merged and summarized as
+    one client's, ``client_cpu_share`` being the busiest process's. Returns {"runs", "summary", "requests",
     "measured": [ServeRunMetrics], "failures": [(kind, message)] of the measured runs,
     "submitted", "roofline": the server's ``GET /roofline`` before the first run, or None}.
     ``roofline``: when the server is rose on a GPU (it answers ``GET /roofline``), its decode
@@ -40,16 +44,24 @@ def bench_serve(target: Target, requests: list[ServeRequest], offsets: list[floa
 
     stats = roof.server_stats(target.base_url, target.headers()) if roofline else None
 
+    processes = resolve_client_processes(client_processes, len(requests), max_concurrency)
+
     async def main() -> dict:
         runs, raw, measured, failures = [], [], [], []
-        async with make_client(target, max_concurrency) as client:
+        if processes > 1:
+            client = ProcessClients(target, requests, offsets, processes, max_concurrency)
+            send = client.run
+        else:
+            client = make_client(target, max_concurrency)
+            send = (lambda progress: run_serve(client, target, requests, offsets, max_concurrency, progress))
+        async with client:
             for label, warmup in _labels(warmups, repeats):
                 table.start_run(label, warmup)
                 before = roof.server_stats(target.base_url, target.headers()) if stats is not None else None
-                run = await run_serve(client, target, requests, offsets, max_concurrency, table.update)
+                run = await send(table.update)
                 m = metrics.summarize_serve_run(run.timings, run.wall_start, run.wall_end, percentiles, goodput,
                                                 request_rate, expect_full_outputs=target.ignore_eos,
-                                                client_cpu_s=run.cpu_s)
+                                                client_cpu_s=run.cpu_s, client_cpu_total_s=run.cpu_total_s)
                 if before is not None:
                     m.roofline = roof.server_between(before, roof.server_stats(target.base_url, target.headers()))
                 table.finish_run(m)

@@ -72,6 +72,11 @@ Burstiness = Annotated[float, typer.Option("--burstiness", help="With --request-
 MaxConcurrency = Annotated[Optional[int], typer.Option("--max-concurrency", help="Most requests in flight at once "
                                                        "(client side); the wait is reported as client queue.",
                                                        max=o.MAX_REQUESTS, rich_help_panel=o.WORKLOAD)]
+ClientProcesses = Annotated[str, typer.Option(
+    "--client-processes", help="Client processes sending the requests (split round-robin; each its own asyncio "
+    "client, all on one start time; started once per benchmark), or 'auto' = min(4, CPUs - 1, ceil(concurrency / "
+    "16)). With more than one, --max-concurrency is split across them in shares summing to it (never more "
+    "processes than the cap). Use it when the summary says 'Client busy'.", rich_help_panel=SERVE)]
 ServeSeed = Annotated[int, typer.Option("--seed", help="Seed of the dataset's sampling and the arrival times.",
                                         rich_help_panel=o.WORKLOAD)]
 MetricPercentiles = Annotated[str, typer.Option("--metric-percentiles", help="Comma-separated percentiles to "
@@ -335,6 +340,7 @@ def serve(
     presence_penalty: PresencePenalty = 0.0, frequency_penalty: FrequencyPenalty = 0.0,
     repetition_penalty: RepetitionPenalty = 1.0, stop_on_eos: StopOnEos = False,
     metric_percentiles: MetricPercentiles = "50,95,99", goodput: Goodput = None, save_result: SaveResult = None,
+    client_processes: ClientProcesses = "1",
 ) -> None:
     """Serving benchmark over HTTP/SSE against any OpenAI-compatible server: TTFT / TPOT / ITL / E2EL, goodput."""
     try:
@@ -349,6 +355,8 @@ def serve(
         results.check_result_path(save_result)
     if max_concurrency is not None and max_concurrency < 1:
         raise ConfigError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+    processes = http_client.resolve_client_processes(http_client.parse_client_processes(client_processes),
+                                                     num_prompts, max_concurrency)
     if not 0 < request_timeout < float("inf"):
         raise ConfigError(f"--request-timeout must be a positive number of seconds, got {request_timeout}")
     if not endpoint.startswith("/"):
@@ -377,6 +385,7 @@ def serve(
               "Arrivals": ("all at once" if request_rate is None or request_rate == float("inf") else
                            f"{request_rate} req/s, burstiness {burstiness} (seed {seed})"),
               "Max concurrency": max_concurrency, "ignore_eos/min_tokens sent": target.ignore_eos,
+              "Client processes": processes,
               "Sampling sent": ", ".join(f"{k} {v:g}" for k, v in sampling.items())}
     if slo:
         header["Goodput SLOs"] = ", ".join(f"{k} <= {v * 1e3:g} ms" for k, v in slo.items())
@@ -385,7 +394,8 @@ def serve(
         console.print(line, highlight=False, markup=False)
     with report.RunTable(console, "serve", "serving benchmark (HTTP)") as table:
         out = bench_serve(target, requests, offsets, warmup_runs, repeat_runs, table, max_concurrency=max_concurrency,
-                          percentiles=percentiles, goodput=slo or None, request_rate=request_rate)
+                          percentiles=percentiles, goodput=slo or None, request_rate=request_rate,
+                          client_processes=processes)
     report.print_serve_summary(console, out["measured"], out["summary"],
                                {"max_concurrency": max_concurrency, "request_rate": request_rate})
     server_roof = out["roofline"]  # a rose server on a GPU: its read ceiling and what a decode step reads
@@ -402,6 +412,7 @@ def serve(
                   "prefix_len": prefix_len, "request_rate": request_rate, "burstiness": burstiness,
                   "max_concurrency": max_concurrency, "seed": seed, "warmup_runs": warmup_runs,
                   "repeat_runs": repeat_runs, "temperature": target.extra_body["temperature"], **given,
+                  "client_processes": processes,
                   "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles),
                   "goodput_ms": {k: v * 1e3 for k, v in slo.items()}, "tokenizer": tokenizer}
         env = None
@@ -596,7 +607,7 @@ def sweep_serve(
     warmup_runs: WarmupRuns = 0, repeat_runs: RepeatRuns = 1, temperature: Temperature = None,
     stop_on_eos: StopOnEos = False, metric_percentiles: MetricPercentiles = "50,95,99", slo: Slo = None,
     goodput_target: GoodputTarget = 0.99, slo_steps: SloSteps = 4, plot: PlotPng = None,
-    save_result: SaveResult = None,
+    save_result: SaveResult = None, client_processes: ClientProcesses = "1",
 ) -> None:
     """Sweep a bench serve workload (HTTP, any OpenAI-compatible server) over request rates, concurrency or
     lengths; --slo finds the highest load meeting SLOs."""
@@ -615,6 +626,7 @@ def sweep_serve(
         raise ConfigError(f"--request-timeout must be a positive number of seconds, got {request_timeout}")
     if not endpoint.startswith("/"):
         raise ConfigError(f"--endpoint must be a path such as /v1/completions, got {endpoint!r}")
+    processes = http_client.parse_client_processes(client_processes)  # "auto": per point, from its concurrency
     axes = _sweep_axes("serve", request_rate=request_rates, max_concurrency=max_concurrency, input_len=input_len,
                        output_len=output_len)
     percentiles = metrics.parse_percentiles(metric_percentiles)
@@ -643,7 +655,8 @@ def sweep_serve(
         offsets = datasets.arrival_offsets(num_prompts, rate, burstiness, seed)
         conc = p.get("max_concurrency")
         out = bench_serve(target, cache[(ilen, olen)], offsets, warmup_runs, repeat_runs, table, max_concurrency=conc,
-                          percentiles=percentiles, goodput=slo_s or None, request_rate=rate)
+                          percentiles=percentiles, goodput=slo_s or None, request_rate=rate,
+                          client_processes=processes)
         return sweep.Point(p, out["runs"], out["summary"], out["requests"], None, out["measured"], out["failures"],
                            out["submitted"])
 
@@ -660,7 +673,8 @@ def sweep_serve(
            "dataset_path": dataset_path, "num_requests": num_prompts, "range_ratio": range_ratio,
            "prefix_groups": prefix_groups, "prefix_len": prefix_len, "burstiness": burstiness, "seed": seed,
            "warmup_runs": warmup_runs, "repeat_runs": repeat_runs, "temperature": sampling["temperature"],
-           "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles), "tokenizer": tokenizer}
+           "ignore_eos": target.ignore_eos, "metric_percentiles": list(percentiles), "tokenizer": tokenizer,
+           "client_processes": processes}
     doc = sweep.build_sweep_result("serve", cfg, {}, axes, points, slo_s or None, goodput_target if slo_s else None,
                                    search)
     _finish_sweep(console, doc, points, search, slo_s, save_result, plot, "serve")

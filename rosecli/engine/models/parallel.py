@@ -177,8 +177,6 @@ class ShardPlan:
             return self._vocab()
         if self.gpt2:
             d, w = self.width, kind == "weight"
-            if name.endswith(("attn.bias", "attn.masked_bias")):
-                return None
             if module == "c_attn":
                 return (1 if w else 0), [self._even(d, j * d) for j in range(3)], None
             if module == "c_fc":

@@ -40,6 +40,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_sentinels
@@ -57,6 +58,7 @@ from rosecli.engine.step_plan import StepPlan
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off, in every rank (KINDS.md of the device docs)
 INIT_TIMEOUT = datetime.timedelta(minutes=10)
+CLOSE_TIMEOUT_S = 2.0  # then the workers are terminated
 
 
 class RankDiedError(RuntimeError):
@@ -202,8 +204,9 @@ class Workers:
                     conn.send_bytes(pickle.dumps(("close",)))
                 except OSError:
                     pass
-            for p in self.procs:
-                p.join(timeout=10)
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            for p in self.procs:  # a rank inside a collective that rank 0 left (Ctrl-C) never reads "close"
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()

@@ -25,7 +25,8 @@ thread reports "tensor-parallel rank R died" to the engine's fault listeners (th
 manager fails every request, /health says the engine is dead), kills the other workers and
 aborts the process group so a collective waiting for the dead rank returns. A worker exits when
 its pipe closes (rank 0 ended, however), and is killed by the kernel if rank 0 dies while it is
-inside a collective (``PR_SET_PDEATHSIG``). Workers ignore SIGINT (Ctrl-C reaches the whole
+inside a collective (``PR_SET_PDEATHSIG``, which fires when the *thread* that started them ends:
+build the engine on a thread that lives as long as it, as every command does). Workers ignore SIGINT (Ctrl-C reaches the whole
 process group; rank 0 decides); ``close`` ends them in order, and multiprocessing terminates
 them (daemon processes) if rank 0 exits without it. ``NCCL_NVLS_ENABLE=0`` is set in every process.
 """

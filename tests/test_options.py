@@ -78,7 +78,7 @@ WORKLOAD = _group_flags(o.WORKLOAD_OPTIONS)
 
 
 def test_each_command_offers_its_option_groups():
-    assert len(ENGINE) == 25 and "--block-size" in ENGINE and "--prefix-cache" in ENGINE
+    assert len(ENGINE) == 26 and "--block-size" in ENGINE and "--prefix-cache" in ENGINE
     server_only = {"--host", "--port", "--overload"}
     assert _flags("serve-local") >= ENGINE | server_only and not _flags("serve-local") & (SAMPLING | WORKLOAD)
     assert _flags("bench stream") >= ENGINE | SAMPLING - {"--stop"} | WORKLOAD
@@ -89,6 +89,8 @@ def test_each_command_offers_its_option_groups():
                         "--submit-interval-ms", "--request-rate", "--stop"}
     gen = _flags("generate")
     assert gen >= SAMPLING | {"--model", "--device", "--block-size", "--paged-attn", "--chat"}
+    for command in ("generate", "chat", "serve-local", "profile", "bench stream", "bench sched"):
+        assert {"--tensor-parallel-size", "-tp"} <= _flags(command), command
     assert not gen & ({"--max-batch-size", "--prefix-cache", "--stream-interval"} | WORKLOAD)
 
 

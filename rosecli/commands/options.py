@@ -121,6 +121,8 @@ ENGINE_OPTIONS: dict[str, Opt] = {
                       "(default on CUDA).", CUDA),
     "overlap_schedule": Opt("--overlap-schedule/--no-overlap-schedule", Optional[bool], "Prepare and launch decode "
                             "step N+1 while the device runs step N (default on CUDA).", ENGINE),
+    "tensor_parallel_size": Opt("--tensor-parallel-size -tp", int, "Shard the model over N processes (GPUs on "
+                                "CUDA, gloo on CPU), one rank each.", ENGINE, max=64, metavar="N"),
     "nvtx": Opt("--nvtx", bool, "NVTX ranges over engine stages (for Nsight Systems).", CUDA),
     "stream_interval": Opt("--stream-interval", int, "Flush streamed text every N tokens (and at finish).", ENGINE,
                            max=MAX_INT32),

@@ -108,6 +108,8 @@ class EngineConfig:
     stream_interval: int = 1
     tokenize_workers: int = 0
     max_inflight_requests: Optional[int] = None
+    # Tensor parallelism: ranks, one process each (rosecli/engine/distributed.py)
+    tensor_parallel_size: int = 1
     # Where converted models are cached (None = ~/.cache/rosecli)
     cache_dir: Optional[str] = None
     show_progress: bool = True
@@ -146,6 +148,7 @@ class EngineConfig:
         _check_int("--tokenize-workers", self.tokenize_workers, 0, 64)
         if self.max_inflight_requests is not None:
             _check_int("--max-inflight-requests", self.max_inflight_requests, 1)
+        _check_int("--tensor-parallel-size", self.tensor_parallel_size, 1, 64)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -55,8 +55,6 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: Optional[st
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: Optional[Progress] = None,
                  log: Callable[[str], None] = lambda msg: None, stages: Optional[Stages] = None):
-        from rosecli.engine.loader import load_model
-
         self.device = resolve_device(config.device)
         # the "auto" paths decided once for this device; a flag that cannot apply is refused here,
         # before the model loads, and one without effect is named on stderr
@@ -74,6 +72,23 @@ class LLMEngine:
         t0 = time.perf_counter()
         if progress:
             progress("load", 0, 1)
+        self.workers = None  # tensor parallelism: ranks 1..N-1 (rosecli/engine/distributed.py)
+        if config.tensor_parallel_size > 1:
+            from rosecli.engine import distributed
+            from rosecli.engine.loader import resolve_hf_config
+
+            distributed.check_tensor_parallel(config, self.device, resolve_hf_config(config, progress))
+            self.workers = distributed.Workers(config, self.device, self.dtype, log)
+        try:
+            self._start(config, progress, log, t0)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+
+    def _start(self, config: EngineConfig, progress, log, t0: float) -> None:
+        from rosecli.engine.loader import load_model
+
         self.loaded = load_model(config, self.device, self.dtype, progress)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -83,8 +98,14 @@ class LLMEngine:
 
         detokenizer.prepare(self.tokenizer)  # its tables cost ~0.1 s: start-up pays, not the first request
         self.max_model_len = self.loaded.max_model_len
-        self.runner = ModelRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
-                                  self.stages, log)
+        if self.workers is None:
+            self.runner = ModelRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
+                                      self.stages, log)
+        else:
+            from rosecli.engine.distributed import DriverRunner
+
+            self.runner = DriverRunner(config, self.loaded.model, self.max_model_len, self.device, self.dtype,
+                                       self.stages, log, workers=self.workers)
         self.startup_times.update(self.runner.prepare(progress))
         self.scheduler = Scheduler(config, self.runner, self.loaded.eos_token_ids, self.max_model_len, self.stages)
         vocab_size = getattr(self.loaded.model, "vocab_size", None) or len(self.tokenizer)
@@ -120,5 +141,14 @@ class LLMEngine:
         finally:
             manager.close()
 
+    def add_fault_listener(self, fn: Callable[[BaseException], None]) -> None:
+        """Call ``fn(error)`` (from another thread) if the engine dies outside a step: a
+        tensor-parallel rank ended. A one-process engine has no such fault."""
+        if self.workers is not None:
+            self.workers.add_fault_listener(fn)
+
     def close(self) -> None:
-        self.runner.close()
+        if hasattr(self, "runner"):
+            self.runner.close()
+        if self.workers is not None:
+            self.workers.close()

@@ -41,6 +41,7 @@ from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_conver
 from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
 from rosecli.engine.models.common import RotaryEmbedding
+from rosecli.engine.models.parallel import build_sharded, init_dummy_shard, sharded_weights, tensor_parallel
 from rosecli.engine.models.quant import prepare_cpu_weights
 from rosecli.engine.models.rope import context_length
 from rosecli.engine.models.shapes import NAMED_SHAPES
@@ -336,6 +337,28 @@ def _iter_weights(path: Path, device: torch.device = torch.device("cpu")):
                                  "(for a converted model, its cache directory) and try again") from None
 
 
+def _iter_weight_slices(path: Path, device: torch.device):
+    """(name, lazy tensor) of each stored weight: safetensors slices (a shard reads only its rows or
+    columns from the file) or memory-mapped .bin tensors."""
+    from safetensors import safe_open
+
+    files = _weight_files(path)
+    if not files:
+        raise ModelLoadError(f"{path} has no *.safetensors or pytorch_model*.bin weight files")
+    for f in files:
+        try:
+            if f.suffix == ".bin":
+                yield from torch.load(str(f), map_location="cpu", weights_only=True, mmap=True).items()
+                continue
+            with safe_open(str(f), framework="pt", device=str(device)) as sf:
+                for key in sf.keys():
+                    yield key, sf.get_slice(key)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weights {f}: {e}: the file is corrupt or incomplete") from None
+
+
 def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
     """Like Hugging Face's init: normal(0, 0.02) matrices, norm weights 1, biases 0.
 
@@ -406,8 +429,9 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         tokenizer = _tokenizer(dummy_dir) if has_tokenizer else dummy_tokenizer(config)
     else:
         tokenizer = _tokenizer(model_dir)
+    tp = tensor_parallel()  # this rank's shard only, when the model is split over processes
     with torch.device(device), _skip_init(), _default_dtype(dtype):
-        model = cls(hf_config)
+        model = cls(hf_config) if tp is None else build_sharded(cls, hf_config, tp)
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
         if isinstance(m, RotaryEmbedding):
             m.cos, m.sin = m.cos.float(), m.sin.float()
@@ -418,7 +442,14 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
         m.load_weights(_iter_weights(model_dir, device))
 
     if dummy:
-        _init_dummy(model, config.seed, device)
+        if tp is None:
+            _init_dummy(model, config.seed, device)
+        else:
+            init_dummy_shard(model, cls, hf_config, tp, config.seed, device)
+        prepare_cpu_weights(model, kind)
+    elif tp is not None:
+        check_converted(model_dir)
+        model.load_weights(sharded_weights(_iter_weight_slices(model_dir, device), hf_config, tp))
         prepare_cpu_weights(model, kind)
     elif kind == "float":
         load_weights(model)

@@ -101,6 +101,10 @@ class StreamingManager:
         self._step_end: Optional[float] = None
         self._tokenizer_pool = (ThreadPoolExecutor(cfg.tokenize_workers, thread_name_prefix="rose-tokenize")
                                 if cfg.tokenize_workers > 0 else None)
+        self._fault: Optional[BaseException] = None  # the engine died outside a step (a tensor-parallel rank)
+        listen = getattr(engine, "add_fault_listener", None)
+        if listen is not None:
+            listen(self._engine_fault)
         self._thread = threading.Thread(target=self._worker, name="rose-engine", daemon=True)
         if start:
             self._thread.start()
@@ -377,10 +381,13 @@ class StreamingManager:
                 with self._lock:
                     if until_idle and self._idle():
                         return
-                    while not self._stop and not self._inbox and not self.scheduler.has_unfinished():
+                    while (not self._stop and not self._inbox and not self.scheduler.has_unfinished()
+                           and self._fault is None):
                         self._wake.wait(timeout=0.5)
                         if until_idle and self._idle():
                             return
+                    if self._fault is not None:
+                        raise self._fault
                     if self._stop:
                         return
                     inbox = list(self._inbox)
@@ -396,6 +403,11 @@ class StreamingManager:
                 pending = [r for r in self._requests.values() if not r.done.is_set()]
             for req in pending:
                 self.outputs.fail(req, EngineDeadError(f"the engine stopped on an error: {type(e).__name__}: {e}"))
+
+    def _engine_fault(self, error: BaseException) -> None:
+        with self._lock:
+            self._fault = error
+            self._wake.notify()
 
     def _admit(self, item) -> None:
         if item[0] == "call":

@@ -6,8 +6,9 @@ joins one ``torch.distributed`` group: NCCL on CUDA (rank r on GPU r), gloo on C
 loads its own shard of the model (`rosecli.engine.models.parallel`) and runs the unchanged model
 runner on it; the runner's collectives (an all-reduce after each row-parallel layer and the
 embedding, an all-gather of the logits) are the only tensor traffic, and CUDA graphs capture them
-like any other kernel. Every rank samples from the same gathered logits with the same seeds, so
-every rank knows each step's tokens on its own device (overlap scheduling's pending inputs too).
+like any other kernel. Rank 0 alone samples and broadcasts the ids on the device (one small
+collective per step), so every rank knows each step's tokens on its own device (overlap
+scheduling's pending inputs too) and sampling state kept on rank 0 (grammars) needs no copies.
 
 The step plan. Before rank 0's runner runs a step it sends the plan to each worker, which keeps
 a mirror of every live sequence and runs the same step on it. A message is a pickled tuple over a
@@ -273,12 +274,23 @@ class _Mirror:
 
 
 class TPModelRunner(ModelRunner):
-    """The model runner of one rank: the KV pool has as many blocks as the rank with least memory."""
+    """The model runner of one rank: the KV pool has as many blocks as the rank with least memory,
+    and rank 0 alone samples; the others take its ids."""
 
     def _decide_num_blocks(self) -> int:
         num = torch.tensor([super()._decide_num_blocks()], dtype=torch.int64, device=self.device)
         dist.all_reduce(num, op=dist.ReduceOp.MIN)
+        self._tp_ids = torch.zeros(max(self.config.max_batch_size, self.config.prefill_max_batch_size),
+                                   dtype=torch.long, device=self.device)
         return int(num.item())
+
+    def _sample(self, seqs, logits, greedy, *args, **kwargs):
+        if dist.get_rank() == 0:
+            ids = super()._sample(seqs, logits, greedy, *args, **kwargs)
+        else:
+            ids = self._tp_ids[:len(seqs)]
+        dist.broadcast(ids, src=0)
+        return ids
 
 
 class DriverRunner(TPModelRunner):

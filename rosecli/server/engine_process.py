@@ -443,7 +443,10 @@ def start_engine_process(config: EngineConfig) -> tuple[RemoteManager, RemoteEng
     as RuntimeError with the child's one-line reason."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_engine_main, args=(config, child), name="rose-engine", daemon=True)
+    # daemonic unless it must start tensor-parallel ranks of its own (a daemon may have no children);
+    # either way it exits when the pipe closes
+    daemon = getattr(config, "tensor_parallel_size", 1) <= 1
+    proc = ctx.Process(target=_engine_main, args=(config, child), name="rose-engine", daemon=daemon)
     proc.start()
     child.close()
     try:

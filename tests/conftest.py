@@ -48,6 +48,8 @@ def tiny_engine_factory(cache_dir):
     def make(model="tiny-llama", **kw):
         kw.setdefault("device", "cpu")
         kw.setdefault("show_progress", False)
+        if kw["device"] == "cuda":  # a session-long engine must not hold 90% of the GPU from the tests after it
+            kw.setdefault("num_gpu_blocks", 512)
         engine = LLMEngine(EngineConfig(model=model, load_format="dummy", cache_dir=cache_dir, **kw))
         engines.append(engine)
         return engine

@@ -152,8 +152,13 @@ def test_slo_search_edges():
     measure, calls = _knee(100)
     r = sweep.slo_search(measure, [1, 2], 0.99, max_steps=3)  # all pass: doubles upward until a miss
     assert calls[:5] == [1, 2, 4, 8, 16] and not r.bracketed and r.best == 32  # at most 4 doublings
-    r = sweep.slo_search(_knee(0.5)[0], [1, 2], 0.99)
-    assert r.best is None and r.first_miss == 1  # the lowest misses: nothing meets it
+    measure, calls = _knee(0.3)
+    r = sweep.slo_search(measure, [1, 2], 0.99, max_steps=3)  # the lowest misses: halved until one passes
+    assert calls[:3] == [1, 0.5, 0.25] and r.bracketed and r.best <= 0.3 < r.first_miss <= 0.5
+    r = sweep.slo_search(_knee(0.01)[0], [1, 2], 0.99)  # at most 4 halvings, then nothing meets it
+    assert r.best is None and r.first_miss == 1 / 16
+    r = sweep.slo_search(_knee(0)[0], [4], 0.99, integer=True, axis="max_concurrency")
+    assert r.best is None and r.first_miss == 1  # concurrency stops at 1
     r = sweep.slo_search(_knee(math.inf)[0], [1, math.inf], 0.99)
     assert r.best == math.inf  # everything at once still meets it
     r = sweep.slo_search(lambda load: float("nan"), [1], 0.99)

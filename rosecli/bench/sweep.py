@@ -10,7 +10,8 @@ SLO search (`slo_search`, ``--slo ttft:MS tpot:MS --goodput-target 0.99``): over
 or concurrency, the highest load whose goodput share (requests meeting every SLO / requests,
 the median over a point's measured runs) reaches the target. Assumes the share falls as load
 rises. The grid's values are tried from the lowest up, stopping at the first that misses; when
-the highest passes, the load is doubled until one misses (at most ``max_expand`` times). Then
+the highest passes, the load is doubled until one misses, and when the lowest misses, it is halved
+until one passes (each at most ``max_expand`` times). Then
 the interval between the last passing and the first missing load is bisected ``max_steps``
 times (rates: until it is within ``rel_tol`` of the passing load; concurrency: until the two
 are neighbours). The answer lies within the final interval: the true knee is at most one
@@ -170,8 +171,18 @@ def slo_search(measure: Callable[[float], float], start: Sequence[float], target
         else:
             hi = load
             break
-    if lo is None:  # the lowest load already misses
-        return SearchResult(axis, target, None, hi, tried, False)
+    if lo is None:  # the lowest load already misses: halve it until one passes
+        probe = hi
+        for _ in range(max_expand):
+            probe = probe // 2 if integer else probe / 2
+            if math.isinf(probe) or probe < (1 if integer else 1e-9):
+                break
+            if ok(probe):
+                lo = probe
+                break
+            hi = probe
+        if lo is None:
+            return SearchResult(axis, target, None, hi, tried, False)
     if hi is None:
         if math.isinf(lo):
             return SearchResult(axis, target, lo, None, tried, False)

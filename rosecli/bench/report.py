@@ -166,7 +166,44 @@ def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
             f"decode {m.throughput_decode:.2f} tokens/s")
 
 
-class RunTable:
+class LiveTable:
+    """A Rich ``Live`` table on a terminal (nothing is drawn in plain mode), redrawn at most every
+    ``refresh_s`` unless forced. Subclasses set ``console``, ``plain``, ``refresh_s`` and define
+    ``table()`` (what to draw) and, if they must, ``closing()`` (state to clear before the last draw)."""
+
+    _live: Optional[Live] = None
+    _next_draw = 0.0
+
+    def table(self):
+        raise NotImplementedError
+
+    def closing(self) -> None:
+        pass
+
+    def __enter__(self):
+        if not self.plain:
+            self._live = Live(self.table(), console=self.console, auto_refresh=False, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._live is not None:
+            self.closing()
+            self._live.update(self.table(), refresh=True)
+            self._live.__exit__(*exc)
+            self._live = None
+        return False
+
+    def _draw(self, force: bool = False, now: Optional[float] = None) -> None:
+        if self._live is None:
+            return
+        now = time.perf_counter() if now is None else now
+        if force or now >= self._next_draw:
+            self._live.update(self.table(), refresh=True)
+            self._next_draw = now + self.refresh_s
+
+
+class RunTable(LiveTable):
     """Rows of runs: a live Rich table in a terminal, plain post-format lines otherwise
     (or with ``plain=True``). A context manager; ``kind`` is "stream", "sched" or "serve".
 
@@ -188,22 +225,12 @@ class RunTable:
         self.refresh_s = refresh_s
         self.rows: list[list] = []  # [label, warmup, metrics or None]
         self.progress = ""
-        self._live: Optional[Live] = None
-        self._next_draw = 0.0
 
-    def __enter__(self) -> "RunTable":
-        if not self.plain:
-            self._live = Live(self.render(), console=self.console, auto_refresh=False, transient=False)
-            self._live.__enter__()
-        return self
+    def table(self) -> Table:
+        return self.render()
 
-    def __exit__(self, *exc) -> bool:
-        if self._live is not None:
-            self.progress = ""
-            self._live.update(self.render(), refresh=True)
-            self._live.__exit__(*exc)
-            self._live = None
-        return False
+    def closing(self) -> None:
+        self.progress = ""
 
     def start_run(self, label: str, warmup: bool) -> None:
         self.rows.append([label, bool(warmup), None])
@@ -248,14 +275,6 @@ class RunTable:
                     _emit(self.console, line)
         else:
             self._draw(force=True)
-
-    def _draw(self, force: bool = False, now: Optional[float] = None) -> None:
-        if self._live is None:
-            return
-        now = time.perf_counter() if now is None else now
-        if force or now >= self._next_draw:
-            self._live.update(self.render(), refresh=True)
-            self._next_draw = now + self.refresh_s
 
     def render(self, width: Optional[int] = None) -> Table:
         """The table in the first layout whose natural width fits ``width`` (default: the console's)."""

@@ -16,8 +16,9 @@ import time
 from typing import Optional
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
+
+from rosecli.bench.report import LiveTable
 
 COLUMNS = ("point", "tok/s (out)", "req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "ITL p50/p99 ms", "goodput")
 
@@ -43,7 +44,7 @@ def point_line(label: str, summary: dict) -> str:
             f"ITL p50/p99 {c[4]} ms, goodput {c[5]}")
 
 
-class SweepTable:
+class SweepTable(LiveTable):
     def __init__(self, console: Console, title: str = "", plain: Optional[bool] = None, refresh_s: float = 0.25):
         self.console = console
         self.title = title
@@ -53,41 +54,31 @@ class SweepTable:
         self.current: Optional[str] = None  # the point running
         self.run_label = ""
         self.progress = ""
-        self._live: Optional[Live] = None
-        self._next_draw = 0.0
 
-    def __enter__(self) -> "SweepTable":
-        if not self.plain:
-            self._live = Live(self._render(), console=self.console, auto_refresh=False, transient=False)
-            self._live.__enter__()
-        return self
+    def table(self) -> Table:
+        return self._render()
 
-    def __exit__(self, *exc) -> bool:
-        if self._live is not None:
-            self.current = None
-            self._live.update(self._render(), refresh=True)
-            self._live.__exit__(*exc)
-            self._live = None
-        return False
+    def closing(self) -> None:
+        self.current = None
 
     # --- points -------------------------------------------------------------------------------
     def start_point(self, label: str) -> None:
         self.current, self.run_label, self.progress = label, "", "starting"
         if self.plain:
             self.console.print(f"=== point {label} ===", highlight=False, markup=False, soft_wrap=True)
-        self._draw()
+        self._draw(force=True)
 
     def finish_point(self, point) -> None:
         self.rows.append((point.label, point.summary))
         self.current = None
         if self.plain:
             self.console.print(point_line(point.label, point.summary), highlight=False, markup=False, soft_wrap=True)
-        self._draw()
+        self._draw(force=True)
 
     # --- runs (the drivers' calls) --------------------------------------------------------------
     def start_run(self, label: str, warmup: bool) -> None:
         self.run_label, self.progress = label, "starting"
-        self._draw()
+        self._draw(force=True)
 
     def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
         if self.plain:
@@ -97,18 +88,11 @@ class SweepTable:
             return
         rate = tokens / elapsed if elapsed > 0 else 0.0
         self.progress = f"{finished}/{total} done, {rate:,.0f} tok/s, {elapsed:.1f} s"
-        self._draw(now)
+        self._draw(force=True, now=now)
 
     def finish_run(self, *args) -> None:
         self.progress = "done"
-        self._draw()
-
-    def _draw(self, now: Optional[float] = None) -> None:
-        if self._live is None:
-            return
-        now = time.perf_counter() if now is None else now
-        self._live.update(self._render(), refresh=True)
-        self._next_draw = now + self.refresh_s
+        self._draw(force=True)
 
     def _render(self) -> Table:
         table = Table(title=self.title or None, title_justify="left")

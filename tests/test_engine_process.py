@@ -146,3 +146,21 @@ def test_a_dead_engine_process_is_reported_and_ends_every_stream(cache_dir):
             assert r.status_code == 503
     finally:
         srv.stop()
+
+
+def test_a_request_error_that_cannot_cross_the_pipe_still_ends_its_request():
+    """A request's error is pickled to the server: one that cannot be (it holds a lock, say)
+    becomes RequestFailedError, so that request still ends and the pipe keeps serving the rest;
+    a RequestError keeps the field it names."""
+    from rosecli.engine.errors import RequestError, RequestFailedError
+    from rosecli.server.engine_process import _portable
+
+    kept = _portable(RequestError("bad messages", "messages"))
+    assert isinstance(kept, RequestError) and kept.param == "messages"
+
+    class HoldsALock(Exception):
+        def __init__(self):
+            super().__init__("x")
+            self.lock = threading.Lock()
+
+    assert isinstance(_portable(HoldsALock()), RequestFailedError)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import pickle
 import queue
 import signal
 import threading
 from typing import Optional, Union
 
 from rosecli.engine.config import EngineConfig, SamplingParams
-from rosecli.engine.errors import OverloadedError
+from rosecli.engine.errors import OverloadedError, RequestFailedError
 from rosecli.engine.streaming import EngineDeadError
 from rosecli.engine.inputs import InputProcessor
 from rosecli.engine.outputs import END
@@ -301,6 +302,17 @@ class RemoteManager:
             sink.put((rid, END))
 
 
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives the pipe (pickling), else a RequestFailedError in its place (the server
+    then tells that request's client it failed, instead of the pipe failing for everyone)."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any error that cannot cross: its request still ends
+        log.warning("a request's error could not be sent to the server: %s: %s", type(e).__name__, e)
+        return RequestFailedError()
+
+
 def _engine_main(config: EngineConfig, conn) -> None:
     """The child: build the engine (start-up progress on its stderr, the same terminal), then
     serve the pipe until told to close or the server goes away."""
@@ -372,7 +384,7 @@ def _engine_main(config: EngineConfig, conn) -> None:
                     try:
                         ends.append((api_rid, manager.take_output(rid), None))
                     except BaseException as e:  # noqa: BLE001 - the request's own error, for its stream
-                        ends.append((api_rid, None, e))
+                        ends.append((api_rid, None, _portable(e)))
                 else:
                     pieces.append((api_rid, piece))
             if (pieces or ends) and not send(("out", pieces, ends)):
@@ -400,7 +412,7 @@ def _engine_main(config: EngineConfig, conn) -> None:
                             engine.structured.compile(params.structured)  # engine's thread at admission
                         rid = manager.add_request(token_ids, params, wait=False, sink=sink)
                     except BaseException as e:  # noqa: BLE001 - this request fails; the engine goes on
-                        send(("out", [], [(api_rid, None, e)]))
+                        send(("out", [], [(api_rid, None, _portable(e))]))
                         continue
                     to_api[rid] = api_rid
                     from_api[api_rid] = rid

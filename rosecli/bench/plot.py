@@ -84,15 +84,21 @@ def _xy(s: Series, key: str) -> tuple[list, list]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def terminal_chart(series: Sequence[Series], width: int = 80, height: int = 36, color: bool = False) -> str:
-    """TTFT and TPOT (p50 and p99, ms) against output throughput (tokens/s), one chart above the
-    other, ``width`` columns wide; returned as text."""
+def _panels(rows: int, width: int, height: int, color: bool):
+    """plotext, reset, sized ``width`` x ``height`` with ``rows`` panels one above the other."""
     plt = require("plotext")
     _fresh(plt)
     plt.plotsize(width, height)
     if not color:
         plt.theme("clear")
-    plt.subplots(len(FIGURES), 1)
+    plt.subplots(rows, 1)
+    return plt
+
+
+def terminal_chart(series: Sequence[Series], width: int = 80, height: int = 36, color: bool = False) -> str:
+    """TTFT and TPOT (p50 and p99, ms) against output throughput (tokens/s), one chart above the
+    other, ``width`` columns wide; returned as text."""
+    plt = _panels(len(FIGURES), width, height, color)
     for i, (fig, title) in enumerate(FIGURES, start=1):
         plt.subplot(i, 1)
         for s in series:
@@ -170,12 +176,7 @@ def timelines_of(doc: dict) -> list[tuple[str, dict]]:
 
 
 def timeline_chart(cols: dict, width: int = 80, height: int = 60, color: bool = False) -> str:
-    plt = require("plotext")
-    _fresh(plt)
-    plt.plotsize(width, height)
-    if not color:
-        plt.theme("clear")
-    plt.subplots(len(TIMELINE_PANELS), 1)
+    plt = _panels(len(TIMELINE_PANELS), width, height, color)
     for i, (key, title) in enumerate(TIMELINE_PANELS, start=1):
         plt.subplot(i, 1)
         plt.plot(cols["t"], cols[key], marker="braille")

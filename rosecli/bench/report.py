@@ -202,6 +202,22 @@ class LiveTable:
             self._live.update(self.table(), refresh=True)
             self._next_draw = now + self.refresh_s
 
+    def progress_text(self, finished: int, total: int, tokens: int, rate: float, elapsed: float) -> str:
+        raise NotImplementedError
+
+    def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
+        """Progress of the run in progress: requests finished of total, output tokens so far
+        (counted as they are generated), seconds since the run started. Cheap to call often;
+        redraws at most every refresh_s."""
+        if self.plain:
+            return
+        now = time.perf_counter()
+        if now < self._next_draw:
+            return
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        self.progress = self.progress_text(finished, total, tokens, rate, elapsed)
+        self._draw(force=True, now=now)
+
 
 class RunTable(LiveTable):
     """Rows of runs: a live Rich table in a terminal, plain post-format lines otherwise
@@ -240,20 +256,9 @@ class RunTable(LiveTable):
         else:
             self._draw(force=True)
 
-    def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
-        """Progress of the run in progress: requests finished of total, output tokens so far
-        (counted as they are generated), seconds since the run started. Cheap to call often;
-        redraws at most every refresh_s."""
-        if self.plain:
-            return
-        now = time.perf_counter()
-        if now < self._next_draw:
-            return
-        rate = tokens / elapsed if elapsed > 0 else 0.0
+    def progress_text(self, finished: int, total: int, tokens: int, rate: float, elapsed: float) -> str:
         label = self.rows[-1][0] if self.rows else "run"
-        self.progress = (f"{label}: {finished}/{total} requests done, {tokens:,} tokens, {rate:,.0f} tok/s, "
-                         f"{elapsed:.1f} s")
-        self._draw(force=True, now=now)
+        return f"{label}: {finished}/{total} requests done, {tokens:,} tokens, {rate:,.0f} tok/s, {elapsed:.1f} s"
 
     def finish_run(self, label: Union[str, RunMetrics, SchedRunMetrics],
                    metrics: Union[RunMetrics, SchedRunMetrics, None] = None) -> None:

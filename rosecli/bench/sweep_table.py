@@ -12,7 +12,6 @@ plain line per finished point::
 from __future__ import annotations
 
 import math
-import time
 from typing import Optional
 
 from rich.console import Console
@@ -80,15 +79,8 @@ class SweepTable(LiveTable):
         self.run_label, self.progress = label, "starting"
         self._draw(force=True)
 
-    def update(self, finished: int, total: int, tokens: int, elapsed: float) -> None:
-        if self.plain:
-            return
-        now = time.perf_counter()
-        if now < self._next_draw:
-            return
-        rate = tokens / elapsed if elapsed > 0 else 0.0
-        self.progress = f"{finished}/{total} done, {rate:,.0f} tok/s, {elapsed:.1f} s"
-        self._draw(force=True, now=now)
+    def progress_text(self, finished: int, total: int, tokens: int, rate: float, elapsed: float) -> str:
+        return f"{finished}/{total} done, {rate:,.0f} tok/s, {elapsed:.1f} s"
 
     def finish_run(self, *args) -> None:
         self.progress = "done"

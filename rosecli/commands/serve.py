@@ -80,6 +80,7 @@ def serve_local(
     try:
         from prometheus_client import disable_created_metrics
 
+        from rosecli.engine.gc_pauses import GcPauses, freeze_startup
         from rosecli.server.app import OVERLOAD_MODES, create_app
         from rosecli.server.uvicorn_server import PortInUseError, bind_socket, make_server, set_gil_switch_interval
     except ImportError as e:
@@ -127,6 +128,7 @@ def serve_local(
         ceiling = serve_read_ceiling(engine, lambda msg: err.print(msg, highlight=False, markup=False))
         ceiling_gbs = ceiling.gbs if ceiling is not None else None
     disable_created_metrics()  # no *_created series: scrapers would store one per counter for nothing
+    gc_watch = None
     try:
         died: list[bool] = []
         server = None
@@ -147,10 +149,15 @@ def serve_local(
         # uvicorn re-raises the signal it shut down on; SIGTERM then ends the process with status 0
         signal.signal(signal.SIGTERM, _exit_cleanly)
         set_gil_switch_interval()
+        freeze_startup()  # what start-up made is never walked by a collection again
+        gc_metric = app.state.rose.metrics.gc_pause
+        gc_watch = GcPauses(on_pause=lambda gen, s, _n: gc_metric.labels(str(gen)).observe(s))
         server.run(sockets=[sock])
         if died and exit_on_engine_error:
             o.fail(f"the engine worker died: {manager.error}", code=1)
     finally:
+        if gc_watch is not None:
+            gc_watch.close()
         sock.close()
         manager.close()
         engine.close()

@@ -321,6 +321,7 @@ def _engine_main(config: EngineConfig, conn) -> None:
 
     from rosecli.commands.progress import start_engine
     from rosecli.commands.serve import serve_read_ceiling
+    from rosecli.engine.gc_pauses import GcPauses, freeze_startup
     from rosecli.engine.roofline import decode_bytes
     from rosecli.engine.streaming import StreamingManager
 
@@ -341,6 +342,8 @@ def _engine_main(config: EngineConfig, conn) -> None:
                          "block_size": bm.block_size,
                          "read_ceiling_gbs": ceiling.gbs if ceiling is not None else None,
                          "decode_weights": decode_bytes(engine.loaded.model, engine.dtype).as_dict()}))
+    freeze_startup()  # what start-up made is never walked by a collection again
+    GcPauses()  # collections that stall this process are logged (its stderr is the server's terminal)
     send_lock = threading.Lock()
 
     def send(msg) -> bool:

@@ -62,6 +62,9 @@ class ServerMetrics:
                               "first, per request.", buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("rose_e2e_request_latency_seconds", "Request arrival to its last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.gc_pause = Histogram("rose_gc_pause_seconds", "Python garbage collections of the server process "
+                                  "(every thread stops meanwhile), by generation.", ["generation"],
+                                  buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=r)
         r.register(_EngineCollector(manager))
 
     def finished(self, reason: str, arrival: float, output=None) -> None:

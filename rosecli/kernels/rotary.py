@@ -8,9 +8,9 @@ Attention then reads q from the row and K/V from the cache. The torch path does 
 six elementwise kernels and a store (`apply_rotary` + `store_kv_cache`); inside a captured decode
 graph each costs ~1.5-3 us whatever its size, so this saves ~6 launches per layer.
 
-The tables are `RotaryEmbedding`'s full-width float32 ones (``cos = [cos, cos]``,
-``sin = [-sin, sin]`` per position), looked up by position inside the kernel:
-``rotate(x) = x * cos + swap_halves(x) * sin``.
+The tables are `RotaryEmbedding`'s full-width ones, ``cos = [cos, cos]`` and ``sin = [-sin, sin]`` per
+position (float32, as the loader keeps them; read as float32 whatever their dtype), looked up by
+position inside the kernel: ``rotate(x) = x * cos + swap_halves(x) * sin``.
 """
 
 from typing import Optional
@@ -86,8 +86,8 @@ def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cach
         xs = ((xs * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * ws).to(qkv_ptr.dtype.element_ty)
         xs = xs.to(tl.float32)
     pos = tl.load(pos_ptr + i).to(tl.int64)
-    c = tl.load(cos_ptr + pos * table_stride + d, mask=dmask, other=0.0)
-    s = tl.load(sin_ptr + pos * table_stride + d, mask=dmask, other=0.0)
+    c = tl.load(cos_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)
     y = (x * c + xs * s).to(qkv_ptr.dtype.element_ty)
     tl.store(row + d, y, mask=dmask)
     if h >= HEADS:  # a k head: it and its v head go into the cache
@@ -111,7 +111,7 @@ def rotary_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv_heads) * head_dim or qkv.stride(1) != 1:
         raise ValueError(f"qkv of shape {tuple(qkv.shape)} is not [tokens, ({heads} + 2 x {kv_heads}) heads x "
                          f"{head_dim}] with unit stride along a row")
-    assert cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride() and cos.stride(1) == 1
+    assert cos.stride() == sin.stride() and cos.stride(1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and head_dim % 2 == 0
     assert (q_norm is None) == (k_norm is None)
     if n == 0:

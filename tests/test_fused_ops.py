@@ -148,7 +148,10 @@ def test_rotary_kv_gpu_realistic_shapes(dtype, tokens, heads, kv_heads, head_dim
     rotary_kv_ref(want[0], *case[1:4], want[1][1:], want[2][1:], *case[6:])
     rotary_kv(*case)
     for got, ref in zip((case[0], *guarded), want):
-        assert _rel(got, ref) < (1e-2 if qk_norm else 1e-3)
+        if qk_norm:  # the norm's float32 sums add up in another order
+            assert _rel(got, ref) < 1e-2
+        else:  # the same float32 operations, rounded the same way (no fused multiply-add)
+            assert torch.equal(got, ref)
 
 
 def test_rotary_kv_refuses_a_projection_of_another_width():

@@ -120,4 +120,5 @@ def rotary_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
         qkv, positions, cos, sin, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
         k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), eps, HEADS=heads, KV_HEADS=kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], BLOCK_D=triton.next_power_of_2(head_dim),
-        QK_NORM=q_norm is not None, num_warps=launch_table.lookup(launch_table.ROTARY_WARPS, head_dim))
+        QK_NORM=q_norm is not None, num_warps=launch_table.lookup(launch_table.ROTARY_WARPS, head_dim),
+        enable_fp_fusion=False)  # x * cos + x' * sin rounded as torch's separate multiplies and add round it

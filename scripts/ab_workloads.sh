@@ -23,5 +23,7 @@ for w in $only; do
   (cd "$base" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m rosecli bench ${W[$w]} --save-result "$OUT/${w}_before.json" | tail -4)
   echo "### $w after ($after) ${extra[*]}"
   (cd "$after" && PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 -m rosecli bench ${W[$w]} "${extra[@]}" --save-result "$OUT/${w}_after.json" | tail -4)
-  python3 -m rosecli bench compare "$OUT/${w}_before.json" "$OUT/${w}_after.json" | tail -14
+  # the headline figures (a plain `tail` of the comparison cut them off for W1's many figures)
+  python3 -m rosecli bench compare "$OUT/${w}_before.json" "$OUT/${w}_after.json" \
+    | grep -E "^(Throughput \(completion\)|TTFT (p50|p99)|TPOT (p50|p99)|Decode step time|Share of the read ceiling):"
 done

@@ -551,7 +551,7 @@ class ModelRunner:
             # greedy rows under a grammar: their masked logits' argmax; the other rows' logits are
             # left as they were, so their argmax is the model's (no sampler kernels for anyone)
             if self._masked_greedy and self.structured.mask_logits(
-                    seqs, logits, lambda rid: self._pending_token(rid, last_rows, flip ^ 1), PENDING):
+                    seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING):
                 return logits.argmax(dim=-1)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
@@ -563,8 +563,7 @@ class ModelRunner:
         d = self._d_slot_rows[:batch]
         d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
         if self.structured is not None and self.structured.active:  # grammar rows: masked in place, eagerly
-            self.structured.mask_logits(seqs, logits, lambda rid: self._pending_token(rid, last_rows, flip ^ 1),
-                                        PENDING)
+            self.structured.mask_logits(seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING)
         st.flush()
         if not (static and self.use_graphs):
             return st.sample(logits, d).token_ids
@@ -578,13 +577,21 @@ class ModelRunner:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
 
-    def _pending_token(self, request_id: int, last_rows: dict, prev_flip: int) -> int:
-        """The token the previous decode launch sampled for a request (overlap: not read back by the
-        scheduler yet): waits for that launch, whose copy was queued before this step's forward."""
+    def _pending_reader(self, last_rows: Optional[dict], prev_flip: int) -> Callable[[int], int]:
+        """request id -> the token the previous decode launch sampled for it (overlap: not read back
+        by the scheduler yet); the first call waits for that launch, whose copy was queued before
+        this step's forward (once a step, not once a row)."""
         event = self._events[prev_flip]
-        if event is not None:
-            event.synchronize()
-        return int(self.np_sampled[prev_flip][last_rows[request_id]])
+        sampled = self.np_sampled[prev_flip]
+
+        def read(request_id: int) -> int:
+            nonlocal event
+            if event is not None:
+                event.synchronize()
+                event = None
+            return int(sampled[last_rows[request_id]])
+
+        return read
 
     def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
         """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the

@@ -145,11 +145,11 @@ def _ebnf_literal(s: str) -> str:
 
 
 class _Request:
-    __slots__ = ("matcher", "accepted", "failed", "done")
+    __slots__ = ("matcher", "accepted", "failed", "ended")
 
     def __init__(self, matcher):
-        # done: the matcher has accepted its stop token (terminated); failed: it refused a token
-        self.matcher, self.accepted, self.failed, self.done = matcher, 0, False, False
+        # ended: the matcher accepted its stop token (terminated) or refused a token (failed)
+        self.matcher, self.accepted, self.failed, self.ended = matcher, 0, False, False
 
 
 class StructuredOutput:
@@ -161,6 +161,7 @@ class StructuredOutput:
         self.tokenizer, self.threads = tokenizer, threads or min(8, os.cpu_count() or 1)
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.eos_token_ids = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
+        self._stop_set: set[int] = set()  # the tokens that end a matcher (its stop tokens)
         self.xgr = self.compiler = self.batch_matcher = None
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -235,7 +236,9 @@ class StructuredOutput:
     # --- requests -------------------------------------------------------------------------------
     def add(self, request_id: int, spec: GrammarSpec) -> None:
         compiled = self.compile(spec)
-        self._requests[request_id] = _Request(self.xgr.GrammarMatcher(compiled))
+        matcher = self.xgr.GrammarMatcher(compiled)
+        self._stop_set.update(matcher.stop_token_ids)
+        self._requests[request_id] = _Request(matcher)
 
     def release(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -276,38 +279,44 @@ class StructuredOutput:
         reqs = self._requests
         flip = self._flip
         hn = self._host_np[flip]
-        stale = self._written[flip]
-        if stale:  # rows this area masked last time are all ones again
-            hn[stale] = -1
+        stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
         written: list[int] = []
         rows: list[int] = []  # the rows to fill, and their matchers
         matchers: list = []
         failed: list[int] = []
+        stops = self._stop_set
         for i, s in enumerate(seqs):
             r = reqs.get(s.request_id)
             if r is None:
                 continue
             written.append(i)
             m = r.matcher
-            n = len(s.token_ids) - s.num_prompt_tokens
-            if r.accepted < n and not (r.failed or r.done):
-                new = s.token_ids[s.num_prompt_tokens + r.accepted:]  # (one token, in a decode step)
+            tokens = s.token_ids
+            n = len(tokens) - s.num_prompt_tokens
+            if r.accepted < n and not r.ended:
+                # one token in a decode step; one call per token is cheaper than the library's
+                # batched accept at 64 rows
+                new = tokens[-1:] if r.accepted == n - 1 else tokens[s.num_prompt_tokens + r.accepted:]
                 if new[-1] == pending_id:
                     new[-1] = pending(s.request_id)
-                for t in new:  # one call per token: cheaper than the library's batched accept at 64 rows
+                for t in new:
                     if not m.accept_token(t):
-                        r.failed = True
+                        r.failed = r.ended = True
                         break
-                    if m.is_terminated():
-                        r.done = True
+                    if t in stops and m.is_terminated():  # (only a stop token ends a matcher)
+                        r.ended = True
                         break
             r.accepted = n
             if r.failed:
                 failed.append(i)
-            elif not r.done:  # (done: its stop token was sampled; the row's token is dropped: all ones)
+            elif not r.ended:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
                 rows.append(i)
                 matchers.append(m)
         self._written[flip] = written
+        if stale:
+            if stale != rows:  # (a fill rewrites its rows whole)
+                refilled = set(rows)
+                hn[[i for i in stale if i not in refilled]] = -1
         if not written:
             return None
         self._flip ^= 1

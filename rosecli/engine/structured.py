@@ -41,7 +41,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CACHED = 256  # compiled grammars kept (least recently used dropped)
 THREADED_ABOVE_S = 300e-6  # a batch fill that took longer on one thread: the next one runs on several
 SERIAL_BELOW_S = 100e-6  # one that took less on several threads: the next one runs on one
-PROBE_EVERY = 32  # while threaded, every this many steps one fill runs on one thread again (to see)
+PROBE_MAX = 64  # while threaded, at most this many steps between fills run on one thread again (to see)
 
 # JSON Schema keywords the grammar cannot enforce: a schema using one is refused, not half-obeyed
 _UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
@@ -209,7 +209,7 @@ class StructuredOutput:
         # the library's batched fill, on the calling thread or on `threads` (see _fill_rows)
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self.threaded_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads) if self.threads > 1 else None
-        self._threaded, self._threaded_steps = False, 0
+        self._threaded, self._probe_in, self._probe_gap = False, 0, 2
         self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
         W = (self.vocab_size + 31) // 32
         pin = self.device.type == "cuda"
@@ -327,21 +327,29 @@ class StructuredOutput:
         return written
 
     def _fill_rows(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
-        """One batched fill, on this thread while masks are cheap (the usual case: a JSON
+        """One batched fill: on this thread while masks are cheap (the usual case: a JSON
         structure's states take a few microseconds a row, less than waking threads costs), on the
-        library's threads once a step's fill took longer than THREADED_ABOVE_S (large context-
-        dependent token sets, e.g. inside strings with a maxLength); back when one takes less
-        than SERIAL_BELOW_S there, or when every PROBE_EVERY-th threaded step, run on one thread
-        to see, is cheap again."""
+        library's threads after a fill on one took longer than THREADED_ABOVE_S (large context-
+        dependent token sets, e.g. inside strings with a maxLength). While threaded, a fill now
+        and then runs on one thread again to see (after 2 steps, then 4, 8... up to PROBE_MAX
+        while it stays expensive); one that takes less than SERIAL_BELOW_S on the threads also
+        ends it."""
         threaded = self._threaded and self.threaded_matcher is not None
+        probe = False
         if threaded:
-            self._threaded_steps += 1
-            if self._threaded_steps % PROBE_EVERY == 0:
-                threaded = False
+            self._probe_in -= 1
+            probe = self._probe_in <= 0
+            threaded = not probe
         t = time.perf_counter()
         (self.threaded_matcher if threaded else self.batch_matcher).batch_fill_next_token_bitmask(matchers, host, rows)
         took = time.perf_counter() - t
-        self._threaded = (took >= SERIAL_BELOW_S) if threaded else (took > THREADED_ABOVE_S)
+        if threaded:
+            self._threaded = took >= SERIAL_BELOW_S
+        elif took > THREADED_ABOVE_S:
+            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX) if probe else 2
+            self._threaded, self._probe_in = True, self._probe_gap
+        else:
+            self._threaded = False
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: Optional[torch.Tensor] = None,

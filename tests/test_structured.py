@@ -184,6 +184,14 @@ def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory):
     for o in outs[1:]:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), PERSON)
+    # greedy grammar rows (the masked argmax, no sampler) beside the free one: the same again
+    g_alone = engine.generate([f"{i} g" for i in range(6)], [greedy(spec)] * 6)
+    outs = engine.generate(["free"] + [f"{i} g" for i in range(6)], [free] + [greedy(spec)] * 6)
+    assert outs[0].token_ids == alone.token_ids
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in g_alone]
+    for o in outs[1:]:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), PERSON)
 
 
 def test_device_mask_op_matches_the_library():
@@ -202,3 +210,96 @@ def test_device_mask_op_matches_the_library():
         apply_bitmask(logits, mask)
         assert torch.equal(logits, want)
         assert torch.isfinite(logits[0]).all()
+
+
+@pytest.mark.parametrize("V", [100, 4099, 50257])
+def test_bitmask_kernel_matches_the_torch_op(V):
+    """The one-kernel mask (used on CUDA), run by Triton's interpreter here, against the torch op;
+    rows of a wider bitmask buffer (the engine's, sized for the largest batch) and strided logits."""
+    import torch
+
+    from rosecli.engine.structured import apply_bitmask
+    from rosecli.kernels.bitmask import apply_bitmask as kernel
+
+    g = torch.Generator().manual_seed(V)
+    mask = torch.randint(-2**31, 2**31 - 1, (6, (V + 31) // 32 + 1), dtype=torch.int32, generator=g)
+    mask[1] = -1
+    mask[2] = 0
+    base = torch.randn(4, V + 3, generator=g)
+    want, got = base.clone(), base.clone()
+    apply_bitmask(want[:, :V], mask[:4, :(V + 31) // 32])
+    kernel(got[:, :V], mask)
+    assert torch.equal(got, want)
+    assert torch.isfinite(got[1, :V]).all() and torch.isneginf(got[2, :V]).all()
+
+
+# --- greedy grammar rows: the masked logits' argmax, no sampler kernels -------------------------
+
+
+def greedy(spec, n=300):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, structured=spec)
+
+
+def test_greedy_grammar_rows_match_the_sampler_and_the_unoverlapped_path(engine, tiny_engine_factory):
+    """Greedy requests under a grammar, overlap scheduling on: valid outputs, the same tokens as
+    through the sampler (a zero logit_bias sends a request there without changing its logits) and
+    as without overlap."""
+    assert engine.scheduler.overlap
+    spec = GrammarSpec.json_schema(PERSON)
+    prompts = [f"{i} who?" for i in range(6)]
+    fast = engine.generate(prompts, [greedy(spec)] * 6)
+    for o in fast:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), PERSON)
+    biased = SamplingParams(max_new_tokens=300, temperature=0.0, structured=spec, logit_bias={0: 0.0})
+    assert [o.token_ids for o in engine.generate(prompts, [biased] * 6)] == [o.token_ids for o in fast]
+    plain = tiny_engine_factory(overlap_schedule=False)
+    assert not plain.scheduler.overlap
+    assert [o.token_ids for o in plain.generate(prompts, [greedy(spec)] * 6)] == [o.token_ids for o in fast]
+
+
+def test_free_rows_beside_greedy_grammar_rows_are_unchanged(engine):
+    """Free requests (greedy, and one ignoring EOS) beside greedy grammar requests: every request's
+    tokens are the same as when it runs alone."""
+    free = [SamplingParams(max_new_tokens=12, temperature=0.0),
+            SamplingParams(max_new_tokens=20, temperature=0.0, stop_on_eos=False)]
+    alone = engine.generate(["free one", "free two"], free)
+    spec = GrammarSpec.json_schema(POINTS)
+    g_alone = engine.generate(["g1", "g2"], [greedy(spec), greedy(spec)])
+    mixed = engine.generate(["free one", "g1", "free two", "g2"], [free[0], greedy(spec), free[1], greedy(spec)])
+    assert [mixed[0].token_ids, mixed[2].token_ids] == [alone[0].token_ids, alone[1].token_ids]
+    assert [mixed[1].token_ids, mixed[3].token_ids] == [o.token_ids for o in g_alone]
+    for o in (mixed[1], mixed[3]):
+        jsonschema.validate(json.loads(o.text), POINTS)
+
+
+@pytest.mark.parametrize("name", ["w1_schema.json", "w1_schema_strings.json"])
+def test_benchmark_schemas_run_to_max_tokens(engine, name):
+    """The benchmark's schemas (rosecli/bench/data) hold every output to max_new_tokens, greedy or
+    sampled, so a run under them compares the same work as an unconstrained one."""
+    import importlib.resources
+
+    text = importlib.resources.files("rosecli.bench").joinpath("data", name).read_text()
+    spec = GrammarSpec.json_schema(text)
+    outs = engine.generate([f"{i} Hello" for i in range(4)], [greedy(spec, 128), greedy(spec, 128),
+                                                             sampled(1, spec, 128), sampled(2, spec, 128)])
+    for o in outs:
+        assert (len(o.token_ids), o.finish_reason) == (128, "length"), o.text
+        assert o.text.startswith('{"records": [{"id": '), o.text
+
+
+def test_threaded_and_serial_mask_fills_agree(engine, monkeypatch):
+    """The batched fill runs on the engine's thread or on the library's threads by its cost: both
+    give the same masks, so the same greedy tokens."""
+    import rosecli.engine.structured as st
+
+    spec = GrammarSpec.json_schema(PERSON)
+    prompts = [f"{i} t" for i in range(5)]
+    monkeypatch.setattr(st, "THREADED_ABOVE_S", float("inf"))  # always on one thread
+    serial = engine.generate(prompts, [greedy(spec)] * 5)
+    monkeypatch.setattr(st, "THREADED_ABOVE_S", 0.0)  # always on the library's threads
+    monkeypatch.setattr(st, "SERIAL_BELOW_S", 0.0)
+    threaded = engine.generate(prompts, [greedy(spec)] * 5)
+    assert [o.token_ids for o in threaded] == [o.token_ids for o in serial]
+    for o in threaded:
+        jsonschema.validate(json.loads(o.text), PERSON)

@@ -158,6 +158,7 @@ class ModelRunner:
         self.eos_token_ids: list[int] = []  # set by the scheduler: what min_tokens holds back with stop ids
         self._slots: dict[int, int] = {}  # request id -> sampling slot, from its first sampled token
         self._special: set[int] = set()  # request ids whose sampling is not plain greedy
+        self._masked_greedy: set[int] = set()  # plain greedy ones under a grammar (not in _special)
         self._logprob_ids: set[int] = set()  # request ids that asked for logprobs
         self._lp_step = None  # this step's logprobs on the device: (rows, ks, packed), for _fetch
         self._h_lp: list = [None, None]  # pinned host buffers for them (CUDA), made on first use
@@ -555,6 +556,11 @@ class ModelRunner:
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                     flip: int, static: bool, last_rows: Optional[dict] = None) -> torch.Tensor:
         if not self._special:
+            # greedy rows under a grammar: their masked logits' argmax; the other rows' logits are
+            # left as they were, so their argmax is the model's (no sampler kernels for anyone)
+            if self._masked_greedy and self.structured.mask_logits(
+                    seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING):
+                return logits.argmax(dim=-1)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
         st = self.sampler
@@ -565,8 +571,7 @@ class ModelRunner:
         d = self._d_slot_rows[:batch]
         d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
         if self.structured is not None and self.structured.active:  # grammar rows: masked in place, eagerly
-            self.structured.mask_logits(seqs, logits, lambda rid: self._pending_token(rid, last_rows, flip ^ 1),
-                                        PENDING)
+            self.structured.mask_logits(seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING)
         st.flush()
         if not (static and self.use_graphs):
             return st.sample(logits, d).token_ids
@@ -580,13 +585,21 @@ class ModelRunner:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
 
-    def _pending_token(self, request_id: int, last_rows: dict, prev_flip: int) -> int:
-        """The token the previous decode launch sampled for a request (overlap: not read back by the
-        scheduler yet): waits for that launch, whose copy was queued before this step's forward."""
+    def _pending_reader(self, last_rows: Optional[dict], prev_flip: int) -> Callable[[int], int]:
+        """request id -> the token the previous decode launch sampled for it (overlap: not read back
+        by the scheduler yet); the first call waits for that launch, whose copy was queued before
+        this step's forward (once a step, not once a row)."""
         event = self._events[prev_flip]
-        if event is not None:
-            event.synchronize()
-        return int(self.np_sampled[prev_flip][last_rows[request_id]])
+        sampled = self.np_sampled[prev_flip]
+
+        def read(request_id: int) -> int:
+            nonlocal event
+            if event is not None:
+                event.synchronize()
+                event = None
+            return int(sampled[last_rows[request_id]])
+
+        return read
 
     def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
         """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
@@ -612,8 +625,10 @@ class ModelRunner:
         out = [t for t in seq.output_token_ids if t != PENDING]
         self._slots[seq.request_id] = self.sampler.acquire(p, prompt_ids=seq.token_ids[:seq.num_prompt_tokens],
                                                            output_ids=out, stop_ids=stop_ids)
-        if not _plain_greedy(p, bool(stop_ids)) or getattr(p, "structured", None) is not None:
+        if not _plain_greedy(p, bool(stop_ids)):
             self._special.add(seq.request_id)
+        elif getattr(p, "structured", None) is not None:  # greedy under a grammar: the masked logits' argmax
+            self._masked_greedy.add(seq.request_id)
         if p.logprobs is not None:
             self._logprob_ids.add(seq.request_id)
 
@@ -739,6 +754,7 @@ class ModelRunner:
         if slot is not None:
             self.sampler.release(slot)
         self._special.discard(seq.request_id)
+        self._masked_greedy.discard(seq.request_id)
         self._logprob_ids.discard(seq.request_id)
         if self.structured is not None:
             self.structured.release(seq.request_id)

@@ -6,9 +6,10 @@ What a request asks for is a `GrammarSpec` on its `SamplingParams` (``structured
 holds one `StructuredOutput`: it compiles specs (cached per spec; a spec that does not compile is a
 `RequestError` naming the field, raised before the request is admitted), keeps one matcher per
 request, and, in a sampling step whose batch holds grammar requests, fills their rows of a packed
-int32 bitmask on the host (one batched, multi-threaded call), copies it to the device in one
-non-blocking copy and masks the whole batch's logits there with one gather/shift/fill (rows of other
-requests are all ones: their logits are left as they were). A step whose batch holds no grammar
+int32 bitmask on the host (one batched call, multi-threaded only while masks are expensive),
+copies it to the device in one non-blocking copy and masks the whole batch's logits there with one
+kernel (rows of other requests are all ones: their logits are left as they were). Greedy grammar
+requests then take the masked logits' argmax (in the runner); the others go through the sampler. A step whose batch holds no grammar
 request does none of this: the runner does not call in.
 
 Each matcher is advanced with every token its request samples, before the next mask is filled.
@@ -25,6 +26,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -37,6 +39,9 @@ from rosecli.engine.errors import RequestError
 INSTALL_HINT = "structured output needs the xgrammar library: install rosecli[structured] (pip install xgrammar)"
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CACHED = 256  # compiled grammars kept (least recently used dropped)
+THREADED_ABOVE_S = 300e-6  # a batch fill that took longer on one thread: the next one runs on several
+SERIAL_BELOW_S = 100e-6  # one that took less on several threads: the next one runs on one
+PROBE_MAX = 64  # while threaded, at most this many steps between fills run on one thread again (to see)
 
 # JSON Schema keywords the grammar cannot enforce: a schema using one is refused, not half-obeyed
 _UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
@@ -140,10 +145,11 @@ def _ebnf_literal(s: str) -> str:
 
 
 class _Request:
-    __slots__ = ("matcher", "accepted", "failed")
+    __slots__ = ("matcher", "accepted", "failed", "ended")
 
     def __init__(self, matcher):
-        self.matcher, self.accepted, self.failed = matcher, 0, False
+        # ended: the matcher accepted its stop token (terminated) or refused a token (failed)
+        self.matcher, self.accepted, self.failed, self.ended = matcher, 0, False, False
 
 
 class StructuredOutput:
@@ -155,6 +161,7 @@ class StructuredOutput:
         self.tokenizer, self.threads = tokenizer, threads or min(8, os.cpu_count() or 1)
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.eos_token_ids = sorted({t for t in eos_token_ids if 0 <= t < vocab_size})
+        self._stop_set: set[int] = set()  # the tokens that end a matcher (its stop tokens)
         self.xgr = self.compiler = self.batch_matcher = None
         self._cache: OrderedDict[GrammarSpec, object] = OrderedDict()
         self._lock = threading.Lock()
@@ -199,16 +206,25 @@ class StructuredOutput:
         except ImportError:
             raise RequestError(INSTALL_HINT, param) from None
         info = _tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads)
+        # the library's batched fill, on the calling thread or on `threads` (see _fill_rows)
+        self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
+        self.threaded_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads) if self.threads > 1 else None
+        self._threaded, self._probe_in, self._probe_gap = False, 0, 2
         self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
         W = (self.vocab_size + 31) // 32
         pin = self.device.type == "cuda"
         # two host bitmasks, alternating between steps (a copy in flight is never rewritten); rows
         # of requests without a grammar stay all ones (-1)
         self._host = [torch.full((self.max_rows, W), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._host_np = [h.numpy() for h in self._host]
         self._written: list[list[int]] = [[], []]
         self._flip = 0
         self._dev = torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device)
+        self._kernel = None
+        if self.device.type == "cuda":
+            from rosecli.kernels.bitmask import apply_bitmask as kernel
+
+            self._kernel = kernel
         cols = torch.arange(self.vocab_size, device=self.device)
         self._word = cols // 32
         self._bit = (cols % 32).to(torch.int32)
@@ -220,7 +236,9 @@ class StructuredOutput:
     # --- requests -------------------------------------------------------------------------------
     def add(self, request_id: int, spec: GrammarSpec) -> None:
         compiled = self.compile(spec)
-        self._requests[request_id] = _Request(self.xgr.GrammarMatcher(compiled))
+        matcher = self.xgr.GrammarMatcher(compiled)
+        self._stop_set.update(matcher.stop_token_ids)
+        self._requests[request_id] = _Request(matcher)
 
     def release(self, request_id: int) -> None:
         self._requests.pop(request_id, None)
@@ -237,44 +255,10 @@ class StructuredOutput:
         """Mask ``logits`` (row i: ``seqs[i]``) in place for the rows whose request has a grammar,
         after advancing each matcher with the tokens its request sampled since (a token still
         ``pending_id`` on the host comes from ``pending(request_id)``). Returns whether any row was masked."""
-        reqs = self._requests
-        rows: list[int] = []
-        matchers: list = []
-        flip = self._flip
-        host = self._host[flip]
-        hn = host.numpy()
-        for i in self._written[flip]:  # rows this area masked last time are all ones again
-            hn[i] = -1
-        written = self._written[flip] = []
-        for i, s in enumerate(seqs):
-            r = reqs.get(s.request_id)
-            if r is None:
-                continue
-            out = s.token_ids[s.num_prompt_tokens:]
-            if r.accepted < len(out):
-                new = out[r.accepted:]
-                if new[-1] == pending_id:
-                    new = new[:-1] + [pending(s.request_id)]
-                m = r.matcher
-                for t in new:
-                    if r.failed or m.is_terminated():
-                        break
-                    if not m.accept_token(t):
-                        r.failed = True
-                r.accepted = len(out)
-            written.append(i)
-            if r.failed:
-                hn[i] = self._only_eos  # a token the grammar refused: end the request
-            elif r.matcher.is_terminated():
-                continue  # its stop token was sampled: the row's token is dropped, leave it all ones
-            else:
-                rows.append(i)
-                matchers.append(r.matcher)
-        if not written:
+        written = self.fill(seqs, pending, pending_id)
+        if written is None:
             return False
-        self._flip ^= 1
-        if matchers:
-            self.batch_matcher.batch_fill_next_token_bitmask(matchers, host, rows)
+        host = self._host[self._flip ^ 1]
         B = logits.shape[0]
         if self.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
             # on the CPU the library's own op, on the masked rows only, costs less than the gather below
@@ -282,8 +266,90 @@ class StructuredOutput:
             return True
         d = self._dev[:B]
         d.copy_(host[:B], non_blocking=self.device.type == "cuda")
-        apply_bitmask(logits, d, self._word, self._bit)
+        if self._kernel is not None and logits.stride(1) == 1:
+            self._kernel(logits, d)  # one Triton kernel
+        else:
+            apply_bitmask(logits, d, self._word, self._bit)
         return True
+
+    def fill(self, seqs, pending: Callable[[int], int], pending_id: int) -> Optional[list[int]]:
+        """The host half of `mask_logits`: advance the matchers of ``seqs``' grammar rows and fill
+        their rows of the next host bitmask (rows of other requests all ones). Returns the rows it
+        wrote (None: no grammar row in ``seqs``)."""
+        reqs = self._requests
+        flip = self._flip
+        hn = self._host_np[flip]
+        stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
+        written: list[int] = []
+        rows: list[int] = []  # the rows to fill, and their matchers
+        matchers: list = []
+        failed: list[int] = []
+        stops = self._stop_set
+        for i, s in enumerate(seqs):
+            r = reqs.get(s.request_id)
+            if r is None:
+                continue
+            written.append(i)
+            m = r.matcher
+            tokens = s.token_ids
+            n = len(tokens) - s.num_prompt_tokens
+            if r.accepted < n and not r.ended:
+                # one token in a decode step; one call per token is cheaper than the library's
+                # batched accept at 64 rows
+                new = tokens[-1:] if r.accepted == n - 1 else tokens[s.num_prompt_tokens + r.accepted:]
+                if new[-1] == pending_id:
+                    new[-1] = pending(s.request_id)
+                for t in new:
+                    if not m.accept_token(t):
+                        r.failed = r.ended = True
+                        break
+                    if t in stops and m.is_terminated():  # (only a stop token ends a matcher)
+                        r.ended = True
+                        break
+            r.accepted = n
+            if r.failed:
+                failed.append(i)
+            elif not r.ended:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
+                rows.append(i)
+                matchers.append(m)
+        self._written[flip] = written
+        if stale:
+            if stale != rows:  # (a fill rewrites its rows whole)
+                refilled = set(rows)
+                hn[[i for i in stale if i not in refilled]] = -1
+        if not written:
+            return None
+        self._flip ^= 1
+        if failed:
+            hn[failed] = self._only_eos  # a token the grammar refused: end the request
+        if matchers:
+            self._fill_rows(matchers, self._host[flip], rows)
+        return written
+
+    def _fill_rows(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
+        """One batched fill: on this thread while masks are cheap (the usual case: a JSON
+        structure's states take a few microseconds a row, less than waking threads costs), on the
+        library's threads after a fill on one took longer than THREADED_ABOVE_S (large context-
+        dependent token sets, e.g. inside strings with a maxLength). While threaded, a fill now
+        and then runs on one thread again to see (after 2 steps, then 4, 8... up to PROBE_MAX
+        while it stays expensive); one that takes less than SERIAL_BELOW_S on the threads also
+        ends it."""
+        threaded = self._threaded and self.threaded_matcher is not None
+        probe = False
+        if threaded:
+            self._probe_in -= 1
+            probe = self._probe_in <= 0
+            threaded = not probe
+        t = time.perf_counter()
+        (self.threaded_matcher if threaded else self.batch_matcher).batch_fill_next_token_bitmask(matchers, host, rows)
+        took = time.perf_counter() - t
+        if threaded:
+            self._threaded = took >= SERIAL_BELOW_S
+        elif took > THREADED_ABOVE_S:
+            self._probe_gap = min(2 * self._probe_gap, PROBE_MAX) if probe else 2
+            self._threaded, self._probe_in = True, self._probe_gap
+        else:
+            self._threaded = False
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: Optional[torch.Tensor] = None,

@@ -33,7 +33,7 @@ def argmax_ref(x: torch.Tensor, n_cols: Optional[int] = None) -> torch.Tensor:
     return (x if n_cols is None else x[:, :n_cols]).argmax(dim=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])  # (varies with the batch: no recompile per divisibility)
 def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, n_cols, row_stride, n_chunks, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -50,7 +50,7 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, n_cols, row_stride, n_chunks
     tl.store(idx_ptr + out, tl.where(has_nan, first_nan, first_max))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)

@@ -78,7 +78,7 @@ def decode_bytes(model: nn.Module, kv_dtype: torch.dtype) -> DecodeBytes:
     padded = getattr(model, "logits_weight", None)  # the output rows padded: what the logits GEMM reads
     if head is None:  # tied: the logits GEMM reads the token embedding in full
         weights += _nbytes(model.output_embedding() if padded is None else padded)
-    elif padded is not None:  # untied: lm_head.weight (counted above) is the padded tensor's first rows
+    elif padded is not None and isinstance(head, nn.Linear):  # its weight, counted above: the padded rows'
         weights += _nbytes(padded) - _nbytes(head.weight)
     rows = sum(w.shape[1] * w.element_size() for w in tables)
     return DecodeBytes(weights, rows, kv_bytes_per_block(model, 1, kv_dtype))

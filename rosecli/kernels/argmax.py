@@ -66,8 +66,8 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexp
 
 
 def chunk_for(rows: int, n_cols: int) -> int:
-    """Columns per stage-1 program: the smallest power of two from `MIN_CHUNK` that still leaves
-    `TARGET_PROGRAMS` programs (at most `MAX_CHUNK`): small batches spread one row over many SMs,
+    """Columns per stage-1 program: `MIN_CHUNK`, doubled (up to `MAX_CHUNK`) while the doubled
+    chunk still leaves `TARGET_PROGRAMS` programs: small batches spread one row over many SMs,
     large ones keep the partials few."""
     chunk = MIN_CHUNK
     while chunk < MAX_CHUNK and rows * triton.cdiv(n_cols, 2 * chunk) >= TARGET_PROGRAMS:

@@ -14,7 +14,7 @@ from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError
 from rosecli.engine.models.common import vocab_padding
 from rosecli.engine.roofline import decode_bytes
-from rosecli.kernels.argmax import argmax, argmax_ref, chunk_for
+from rosecli.kernels.argmax import argmax, argmax_ref, chunk_for, logits_argmax, logits_argmax_ref
 
 PAD = 100  # the tests' multiple: VOCAB = 256 rows become 300
 INF, NAN = float("inf"), float("nan")
@@ -85,6 +85,21 @@ def test_padded_columns_are_never_the_answer():
     assert argmax(view).tolist() == argmax_ref(view).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_logits_argmax_writes_the_float32_logits_and_their_argmax(dtype):
+    g = torch.Generator().manual_seed(9)
+    raw = (torch.randn(3, 1100, generator=g) * 3).to(dtype)
+    raw[:, 1000:] = 1e4  # padding columns
+    raw[1, [10, 900]] = raw[1, :1000].max() + 1
+    raw[2, 600] = NAN
+    for chunk in (None, 512):
+        logits, ids = logits_argmax(raw, 1000, chunk)
+        want_logits, want_ids = logits_argmax_ref(raw, 1000)
+        assert logits.dtype == torch.float32 and logits.shape == (3, 1000) and logits.is_contiguous()
+        assert torch.equal(logits.nan_to_num(), want_logits.nan_to_num()) and ids.tolist() == want_ids.tolist()
+    assert ids.tolist()[1:] == [10, 600]
+
+
 def test_split_argmax_edge_shapes_and_bad_widths():
     assert argmax(torch.zeros(0, 10)).shape == (0,)
     with pytest.raises(ValueError, match="argmax over 11 columns of a tensor 10 wide"):
@@ -118,6 +133,8 @@ def test_padded_output_rows_share_the_loaded_weights_and_give_the_same_logits(ki
     got, want = padded.compute_logits(hidden), plain.compute_logits(hidden)
     assert got.shape == (5, VOCAB) and got.dtype == torch.float32 and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    raw = padded.logits_gemm(hidden)  # the GEMM alone (the decode graph's input to `logits_argmax`)
+    assert raw.shape == (5, 300) and torch.equal(raw[:, :VOCAB], got) and torch.count_nonzero(raw[:, VOCAB:]) == 0
 
 
 def test_a_multiple_of_the_padding_is_not_padded_and_a_bad_multiple_is_refused():
@@ -166,6 +183,31 @@ def test_greedy_tokens_and_logprobs_are_unchanged_by_padding(kind):
             assert ta == tb and [t for t, _ in topa] == [t for t, _ in topb]
             assert lb == pytest.approx(la, abs=1e-5)
             assert [v for _, v in topb] == pytest.approx([v for _, v in topa], abs=1e-5)
+
+
+@pytest.mark.parametrize("kind,sampled", [("gpt2", False), ("qwen2", False), ("llama", True)])
+def test_the_decode_graphs_forward_gives_the_tokens_and_logprobs_of_the_plain_one(kind, sampled):
+    """The forward a decode graph captures (fused kernels, the logits GEMM's output turned into
+    float32 logits and the greedy argmax in one pass), run eagerly on the CPU in the Triton
+    interpreter on a padded model: the tokens and logprobs of the plain path. All greedy, the
+    graph's argmax is every token; with a sampled request, the sampler reads the graph's logits."""
+    hf = tiny_hf_model(kind, seed=4)
+    prompts = [[5, 9, 33, 7, 100], [12, 44, 3]]
+    second = SamplingParams(max_new_tokens=6, stop_on_eos=False, **(dict(temperature=0.8, seed=11) if sampled else {}))
+    params = [SamplingParams(max_new_tokens=6, stop_on_eos=False, logprobs=2), second]
+
+    def run(graph_path):
+        with vocab_padding(PAD if graph_path else 1):
+            sch = tiny_scheduler(hf, block_size=4, num_gpu_blocks=64)
+        sch.runner.use_graphs = graph_path  # no graph is captured on the CPU: the same forward, run eagerly
+        ids = [sch.add_request(p, sp) for p, sp in zip(prompts, params)]
+        got = _run(sch)
+        return [got[i] for i in ids]
+
+    plain, graph = run(False), run(True)
+    assert [r["tokens"] for r in graph] == [r["tokens"] for r in plain]
+    for (ta, la, topa), (tb, lb, topb) in zip(plain[0]["logprobs"], graph[0]["logprobs"]):
+        assert ta == tb and [t for t, _ in topa] == [t for t, _ in topb] and lb == pytest.approx(la, abs=1e-4)
 
 
 def test_the_sampler_never_returns_a_padded_id():

@@ -34,12 +34,15 @@ def argmax_ref(x: torch.Tensor, n_cols: Optional[int] = None) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["n_chunks"])  # (varies with the batch: no recompile per divisibility)
-def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, n_cols, row_stride, n_chunks, CHUNK: tl.constexpr):
+def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, n_cols, row_stride, n_chunks, CHUNK: tl.constexpr,
+                           STORE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if STORE:  # the row's first n_cols values in float32, contiguous (`logits_argmax`)
+        tl.store(out_ptr + row * n_cols + cols, x, mask=mask)
     nan = x != x
     first_nan = tl.min(tl.where(nan, cols, n_cols), 0)  # n_cols: none
     m = tl.max(tl.where(nan, float("-inf"), x), 0)
@@ -75,23 +78,45 @@ def chunk_for(rows: int, n_cols: int) -> int:
     return chunk
 
 
-def argmax(x: torch.Tensor, n_cols: Optional[int] = None, chunk: Optional[int] = None) -> torch.Tensor:
-    """Same contract as `argmax_ref`, two kernel launches. x: [rows, >= n_cols], columns contiguous;
-    ``chunk``: columns per stage-1 program (a power of two; default `chunk_for`)."""
+def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
+                  out: Optional[torch.Tensor]) -> torch.Tensor:
     rows, width = x.shape
     n_cols = width if n_cols is None else n_cols
     if not 0 < n_cols <= width:
         raise ValueError(f"argmax over {n_cols} columns of a tensor {width} wide")
     assert x.stride(1) == 1 or width == 1, "argmax reads contiguous columns"
-    out = torch.empty(rows, dtype=torch.long, device=x.device)
+    ids = torch.empty(rows, dtype=torch.long, device=x.device)
     if rows == 0:
-        return out
+        return ids
     chunk = chunk or chunk_for(rows, n_cols)
     n_chunks = triton.cdiv(n_cols, chunk)
     vals = torch.empty(rows * n_chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows * n_chunks, dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(rows, n_chunks)](x, vals, idx, n_cols, x.stride(0), n_chunks, CHUNK=chunk,
+    _argmax_partial_kernel[(rows, n_chunks)](x, vals, idx, vals if out is None else out, n_cols, x.stride(0),
+                                             n_chunks, CHUNK=chunk, STORE=out is not None,
                                              num_warps=4 if chunk <= 2048 else 8)
-    _argmax_final_kernel[(rows,)](vals, idx, out, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)),
+    _argmax_final_kernel[(rows,)](vals, idx, ids, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)),
                                   num_warps=1 if n_chunks <= 128 else 2)
-    return out
+    return ids
+
+
+def argmax(x: torch.Tensor, n_cols: Optional[int] = None, chunk: Optional[int] = None) -> torch.Tensor:
+    """Same contract as `argmax_ref`, two kernel launches. x: [rows, >= n_cols], columns contiguous;
+    ``chunk``: columns per stage-1 program (a power of two; default `chunk_for`)."""
+    return _split_argmax(x, n_cols, chunk, None)
+
+
+def logits_argmax_ref(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 ``raw[:, :n_cols]``, contiguous; its `argmax_ref`): what a model's ``compute_logits``
+    and the greedy argmax make of the logits GEMM's raw (padded) output."""
+    logits = raw[:, :n_cols].float().contiguous()
+    return logits, logits.argmax(dim=-1)
+
+
+def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logits_argmax_ref` in the same two launches as `argmax`: stage 1 also writes the float32
+    logits, so the conversion of the GEMM's output (one kernel and a write) and the argmax (a
+    second read of what it wrote) become one pass over the GEMM's output. Bit-equal to the
+    reference: float16/bfloat16 -> float32 is exact."""
+    logits = torch.empty((raw.shape[0], n_cols), dtype=torch.float32, device=raw.device)
+    return logits, _split_argmax(raw, n_cols, chunk, logits)

@@ -80,14 +80,20 @@ def output_linear(width: int, rows: int, padded: Optional[torch.Tensor]) -> nn.L
     return linear
 
 
+def logits_gemm(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:
+    """The logits GEMM alone: ``hidden @ W^T`` in the weights' dtype, W = ``padded`` (the tensor
+    ``weight`` is the first rows of) when given, else ``weight``: [N, rows of W], the columns past
+    ``weight``'s rows zero."""
+    return F.linear(hidden, weight if padded is None else padded)
+
+
 def output_logits(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:
-    """float32 ``hidden @ weight^T``, [N, rows of ``weight``]; with ``padded`` (the tensor ``weight``
-    is the first rows of) the GEMM runs over the padded rows and the result is sliced back. The
-    slice is consumed by the float32 conversion the logits need anyway (one kernel, as without
-    padding); float32 weights (CPU) copy it once to keep the logits contiguous."""
+    """float32 ``hidden @ weight^T``, [N, rows of ``weight``]: `logits_gemm`, sliced back to the
+    real rows when padded. The slice is consumed by the float32 conversion the logits need anyway
+    (one kernel, as without padding); float32 weights (CPU) copy it once to keep it contiguous."""
     if padded is None:
         return F.linear(hidden, weight).float()
-    out = F.linear(hidden, padded)[..., :weight.shape[0]]
+    out = logits_gemm(hidden, weight, padded)[..., :weight.shape[0]]
     return out.float() if out.dtype != torch.float32 else out.contiguous()
 
 

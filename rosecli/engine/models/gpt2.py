@@ -9,8 +9,8 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
-                                           linear_gelu, output_embedding_module, output_logits,
-                                           padded_output_rows)
+                                           linear_gelu, logits_gemm, output_embedding_module,
+                                           output_logits, padded_output_rows)
 
 
 class GPT2Block(nn.Module):
@@ -73,6 +73,12 @@ class GPT2ForCausalLM(nn.Module):
         if self.lm_head is None:
             return output_logits(hidden, self.wte.weight, self.logits_weight)
         return self.lm_head(hidden).float()
+
+    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
+        vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
+        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
+        return None if self.lm_head is not None else logits_gemm(hidden, self.wte.weight, self.logits_weight)
 
     # Hugging Face name (after the optional "transformer." prefix) -> (our name, transpose?)
     _RENAMES = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj", "mlp.c_fc": "c_fc",

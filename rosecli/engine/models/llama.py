@@ -13,8 +13,8 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, output_embedding_module, output_linear, output_logits,
-                                           padded_output_rows, silu_mul)
+                                           copy_weight, logits_gemm, output_embedding_module, output_linear,
+                                           output_logits, padded_output_rows, silu_mul)
 from rosecli.engine.models.rope import context_length, rotary_angles
 
 
@@ -135,6 +135,16 @@ class LlamaForCausalLM(nn.Module):
         if self.logits_weight is not None and isinstance(self.lm_head, nn.Linear):  # its weight: padded rows
             return output_logits(hidden, self.lm_head.weight, self.logits_weight)
         return self.lm_head(hidden).float()
+
+    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
+        vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
+        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
+        if self.lm_head is None:
+            return logits_gemm(hidden, self.embed_tokens.weight, self.logits_weight)
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            return logits_gemm(hidden, self.lm_head.weight, self.logits_weight)
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -101,3 +101,20 @@ def test_every_sampling_slot_is_free_after_start_up_and_after_each_request():
         outs = sched.run_to_completion([[5, 6], [7, 8], [9, 10], [11, 12]], params)
         assert all(len(s.output_token_ids) == 3 for s in outs)
         assert not sched.runner.sampler.active.any()
+
+
+@pytest.mark.parametrize("vocab", [49_152, 50_257, 128_256, 151_936])
+def test_every_batch_size_uses_a_kernel_variant_the_start_up_warm_up_compiled(vocab):
+    """The sampler's passes compile a variant per chunk count: each batch size must map to one that
+    the runner's warm-up (one batch per `batch_classes` bucket) compiled, or serving stalls on a
+    compile (seconds) the first time a batch of a new size samples (seen on the H100: 6 s of TTFT)."""
+    from rosecli.kernels import sampling as K
+
+    K._SMS[0] = 132  # an H100's multiprocessors (no GPU needed: only the count is read)
+    dev = torch.device("cuda", 0)
+    for most in (1, 8, 64, 256):
+        warmed = {K._split(b, vocab, dev) for b in K.batch_classes(most)}
+        assert max(K.batch_classes(most)) == most
+        for B in range(1, most + 1):
+            assert K._split(B, vocab, dev) in warmed, (most, B)
+        assert len(warmed) <= 5

@@ -92,13 +92,16 @@ class Attention(nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim]."""
+                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+        """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
+        ``kv_stored``: the caller has put k and v into this layer's cache already (`rosecli.kernels.rotary`)."""
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if meta.use_triton:
+        if kv_stored:
+            pass  # the Llama family's rotary kernel stored them (`rosecli.kernels.rotary`)
+        elif meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         elif meta.store_index is not None:
             for src, cache in ((k, self.k_cache), (v, self.v_cache)):

@@ -309,23 +309,31 @@ class ModelRunner:
 
     def _warmup_sampler(self) -> None:
         """Compile the sampler's Triton kernels now: the first sampled request of a run waited
-        about 15 s for them (measured on the H100). One row each for sampling alone, with
-        penalties and min_p, and top-p alone; the slots are given back."""
+        about 15 s for them (measured on the H100), and a batch of a size not seen before compiled
+        again (a grammar run on the H100 spent 6 s of each run's TTFT so). One batch of each size
+        bucket (`sampling.batch_classes`) for sampling alone, with penalties and min_p, and top-p
+        alone; the slots are given back."""
+        from rosecli.kernels.sampling import batch_classes
+
         st = self.sampler
         kinds = (SamplingParams(temperature=0.8, top_p=0.95, top_k=50),
                  SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.05, repetition_penalty=1.1,
                                 presence_penalty=0.5, frequency_penalty=0.5),
                  SamplingParams(temperature=0.8, top_p=0.95))
+        most = min(self.num_sampling_slots, max(self.config.max_batch_size, self.config.prefill_max_batch_size))
+        sizes = batch_classes(most) if st.use_triton else [1]
         for params in kinds:
-            slot = st.acquire(params, prompt_ids=[0])
+            slots = [st.acquire(params, prompt_ids=[0]) for _ in range(max(sizes))]
             try:
                 st.flush()
-                logits = torch.randn(1, st.vocab_size, device=self.device)
-                st.sample(logits, torch.tensor([slot], device=self.device))
+                for B in sizes:
+                    logits = torch.randn(B, st.vocab_size, device=self.device)
+                    st.sample(logits, torch.tensor(slots[:B], device=self.device))
             except Exception as e:  # a request that samples this way will meet it again, with its own error
                 self.log(f"sampler warm-up failed ({type(e).__name__}: {e}); sampled requests compile on first use")
             finally:
-                st.release(slot)
+                for slot in slots:
+                    st.release(slot)
         st.flush()
 
     def _capture_graphs(self, progress) -> None:

@@ -68,6 +68,11 @@ PREFILL = ((16, (16, 64, 4, 2)), (math.inf, (64, 64, 4, 2)))
 # NOT YET MEASURED: re-sweep.
 STORE_WARPS = ((256, 1), (1024, 4), (math.inf, 8))
 
+# --- rotary + KV store (`rotary.rotary_kv`) -------------------------------------------------------
+# num_warps by head_dim (one program per token and q or k head rotates head_dim elements).
+# NOT YET MEASURED: re-sweep.
+ROTARY_WARPS = ((128, 1), (math.inf, 2))
+
 
 def lookup(rows, key):
     """The value of the first ``(bound, value)`` row with ``key <= bound``."""

@@ -588,16 +588,42 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
 
 _SMS: dict = {}
 
+# The passes compile one Triton variant per chunk count (and per alignment of the scratch slices):
+# a chunk count chosen per batch size made every new batch size a compile of four kernels (~0.5 s
+# each) in the middle of serving. The batch sizes are bucketed instead (powers of 4), so a model has
+# at most a few variants, all compiled at start-up (`batch_classes`, the runner's sampler warm-up).
+_BATCH_CLASS_BASE = 4
+
+
+def batch_class(B: int) -> int:
+    """The bucket of batch size ``B`` the chunk count is chosen for: the next power of 4."""
+    c = 1
+    while c < B:
+        c *= _BATCH_CLASS_BASE
+    return c
+
+
+def batch_classes(max_batch: int) -> list[int]:
+    """One batch size per bucket up to ``max_batch``: sampling one batch of each compiles every
+    variant a run can meet."""
+    out, c = [], 1
+    while True:
+        out.append(min(c, max_batch))
+        if c >= max_batch:
+            return out
+        c *= _BATCH_CLASS_BASE
+
 
 def _split(B: int, V: int, device: torch.device) -> tuple[int, int]:
-    """Chunks per row and their length: about 4 programs per multiprocessor over the batch."""
+    """Chunks per row and their length: about 4 programs per multiprocessor over the batch's
+    bucket (`batch_class`)."""
     if device.type == "cuda":
         if device.index not in _SMS:
             _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
         sms = _SMS[device.index]
     else:
         sms = 16  # (the interpreter: several chunks a row, as on a GPU)
-    split = max(1, min(triton.cdiv(4 * sms, max(B, 1)), triton.cdiv(V, SPLIT_BLOCK)))
+    split = max(1, min(triton.cdiv(4 * sms, batch_class(max(B, 1))), triton.cdiv(V, SPLIT_BLOCK)))
     ch = triton.cdiv(triton.cdiv(V, split), SPLIT_BLOCK) * SPLIT_BLOCK
     return triton.cdiv(V, ch), ch
 
@@ -618,11 +644,13 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
         return ids, tau
     split, ch = _split(B, V, dev)
     sp2, P, S, C = triton.next_power_of_2(split), PIVOTS, f.shape[1], cand_x.shape[1]
-    fl = torch.empty((4 + 2 * P) * B * split + B * P, dtype=torch.float32, device=dev)
-    pmax, pmin, pz, rs = (fl[k * B * split:(k + 1) * B * split] for k in range(4))
-    pm = fl[4 * B * split:(4 + P) * B * split]
-    pc = fl[(4 + P) * B * split:(4 + 2 * P) * B * split].view(torch.int32)
-    piv = fl[(4 + 2 * P) * B * split:]
+    # every slice starts 64-byte aligned whatever B: Triton compiles a variant per pointer alignment
+    n = triton.cdiv(B * split, 16) * 16
+    fl = torch.empty((4 + 2 * P) * n + B * P, dtype=torch.float32, device=dev)
+    pmax, pmin, pz, rs = (fl[k * n:k * n + B * split] for k in range(4))
+    pm = fl[4 * n:4 * n + P * B * split]
+    pc = fl[(4 + P) * n:(4 + P) * n + P * B * split].view(torch.int32)
+    piv = fl[(4 + 2 * P) * n:]
     pidx = torch.empty(B * split, dtype=torch.int32, device=dev)
     ri = torch.empty(B * split, dtype=torch.int64, device=dev)
     cnt = counts if counts is not None else x

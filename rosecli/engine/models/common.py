@@ -4,14 +4,15 @@ weight-loading helpers.
 With ``fused`` (`AttentionMetadata.fused_ops`: CUDA-graph decode) the residual add, a deferred
 linear bias and the following norm run as one Triton kernel (`rosecli.kernels.norm`), and the MLP
 activations as one (`rosecli.kernels.activation`): fewer kernels per layer is what bounds a small
-decode batch. Otherwise the same steps run as plain torch ops, in the order of the unfused code,
+decode batch. Wherever Triton runs, the Llama family's q/k rotation and KV store are one kernel too
+(`rosecli.kernels.rotary`, given `RotaryEmbedding.for_step`'s whole tables). Otherwise the same steps run as plain torch ops, in the order of the unfused code,
 so CPU results are unchanged bit for bit.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm
+from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
 # --- the output layer's rows, padded -----------------------------------------------------------
@@ -172,12 +174,21 @@ class RotaryEmbedding(nn.Module):
         """(cos, sin) of each position, ``[N, 1, head_dim]``: looked up once per forward, shared by all layers."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
+    def for_step(self, positions: torch.Tensor, fused: bool) -> "Rope":
+        """What a forward's layers rotate with: this step's rows of the tables, or (``fused``: the
+        kernel looks them up itself, `rosecli.kernels.rotary`) the whole tables and the positions."""
+        if fused:
+            return Rope(self.cos, self.sin, positions)
+        return Rope(*self.tables(positions), None)
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim] (any strides) rotated by `RotaryEmbedding.tables`, in float32, returned in x's dtype."""
-    xf = x if x.dtype == cos.dtype else x.float()
-    out = xf * cos + torch.roll(xf, x.shape[-1] // 2, dims=-1) * sin  # roll by half = swap the halves
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+class Rope(NamedTuple):
+    """A forward's rotary tables: with ``positions`` None, ``cos``/``sin`` are this step's rows
+    (`RotaryEmbedding.tables`, for `apply_rotary`); else the whole ``[max_position, head_dim]``
+    tables, for `rosecli.kernels.rotary.rotary_kv` to index by ``positions``."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: Optional[torch.Tensor]
 
 
 def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:

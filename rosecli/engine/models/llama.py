@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
-from rosecli.engine.models.common import (RMSNorm, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
+from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
                                            copy_weight, logits_gemm, output_embedding_module, output_linear,
                                            output_logits, padded_output_rows, silu_mul)
 from rosecli.engine.models.rope import context_length, rotary_angles
+from rosecli.kernels import rotary
 
 
 def _head_dim(cfg) -> int:
@@ -45,6 +46,13 @@ def layer_windows(cfg) -> list[Optional[int]]:
     return [int(window) if i >= first else None for i in range(n)]
 
 
+def fused_rotary(meta: AttentionMetadata) -> bool:
+    """Whether the layers rotate q/k and store K/V in one Triton kernel (`rosecli.kernels.rotary`):
+    wherever Triton runs (paged attention, or the fused decode ops). It replaces a Triton store and
+    about six torch kernels, so it saves launches in eager prefill too."""
+    return meta.use_triton or meta.fused_ops
+
+
 class LlamaLayer(nn.Module):
     def __init__(self, cfg, qkv_bias: bool, qk_norm: bool = False, sliding_window: Optional[int] = None):
         super().__init__()
@@ -66,25 +74,33 @@ class LlamaLayer(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, sliding_window)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the last sublayer's output, not yet added to ``residual`` (None before the first layer);
-        rope: `RotaryEmbedding.tables` of this step's positions."""
+        rope: `RotaryEmbedding.for_step` of this step's positions."""
         n = x.shape[0]
         qk_size = self.q_size + self.kv_size
         fused = meta.fused_ops
         h, residual = add_norm(self.input_layernorm, x, residual, fused)
         qkv = self.qkv_proj(h)
-        if self.q_norm is None:
+        stored = rope.positions is not None
+        if stored:
+            # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
+            norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                                    self.q_norm.eps)
+            rotary.rotary_kv(qkv, rope.positions, rope.cos, rope.sin, self.attn.k_cache, self.attn.v_cache,
+                             meta.slot_mapping, self.heads, self.kv_heads, *norms)
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size]
+        elif self.q_norm is None:
             # q and k sit side by side in qkv: one rotation covers both
-            qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), *rope)
+            qk = apply_rotary(qkv[:, :qk_size].view(n, self.heads + self.kv_heads, self.head_dim), rope.cos, rope.sin)
             q, k = qk.view(n, qk_size)[:, :self.q_size], qk.view(n, qk_size)[:, self.q_size:]
         else:
             q = self.q_norm(qkv[:, :self.q_size].reshape(n, self.heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
-            q = apply_rotary(q, *rope).reshape(n, self.q_size)
-            k = apply_rotary(k, *rope).reshape(n, self.kv_size)
-        o = self.o_proj(self.attn(q, k, qkv[:, qk_size:], meta))
+            q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
+            k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
+        o = self.o_proj(self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored))
         h, residual = add_norm(self.post_attention_layernorm, o, residual, fused)
         return self.down_proj(silu_mul(self.gate_up_proj(h), fused)), residual
 
@@ -121,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.tables(positions)
+        rope = self.rotary.for_step(positions, fused_rotary(meta))
         for layer in self.layers:
             x, residual = layer(x, residual, rope, meta)
         return add_norm(self.norm, x, residual, meta.fused_ops)[0]

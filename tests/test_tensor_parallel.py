@@ -170,17 +170,23 @@ def _rank_logits(rank, dirs, ids, init_method, out_path):
         _leave_group()
 
 
-def test_sharded_hugging_face_checkpoints_give_the_unsharded_logits(tmp_path, cache_dir):
+@pytest.mark.parametrize("pad", [None, "64"], ids=["plain", "padded"])
+def test_sharded_hugging_face_checkpoints_give_the_unsharded_logits(tmp_path, cache_dir, monkeypatch, pad):
+    """``padded``: each rank's vocabulary shard (501 or 500 rows) padded to 512 (as on CUDA) for its
+    logits GEMM; the gathered logits are still the unsharded, unpadded model's."""
     from rosecli.engine.distributed import _free_port
 
     dirs = _hf_dirs(tmp_path, cache_dir)
     ids = [3, 141, 59, 26, 535, 897, 932, 384, 626, 433, 832, 795]
+    fulls = {name: _logits(d, ids) for name, d in dirs.items()}
+    if pad:
+        monkeypatch.setenv("ROSE_VOCAB_PAD", pad)  # the spawned ranks inherit it
     out_path = str(tmp_path / "sharded.pt")
     torch.multiprocessing.start_processes(_rank_logits, args=(dirs, ids, f"tcp://127.0.0.1:{_free_port()}", out_path),
                                           nprocs=2, join=True, start_method="spawn")
     sharded = torch.load(out_path)
     for name, d in dirs.items():
-        full = _logits(d, ids)
+        full = fulls[name]
         assert sharded[name].shape == full.shape, name
         torch.testing.assert_close(sharded[name], full, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -40,7 +40,7 @@ from rosecli.engine import cache_files, cpu_cache
 from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_converted
 from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
-from rosecli.engine.models.common import RotaryEmbedding
+from rosecli.engine.models.common import RotaryEmbedding, vocab_padding
 from rosecli.engine.models.parallel import build_sharded, init_dummy_shard, sharded_weights, tensor_parallel
 from rosecli.engine.models.quant import prepare_cpu_weights
 from rosecli.engine.models.rope import context_length
@@ -52,6 +52,12 @@ KNOWN_NAMES = ("smollm2-135m", "gpt2", "tiny-gpt2", "tiny-llama", *NAMED_SHAPES)
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 log = logging.getLogger(__name__)
+# The output layer's rows are padded to a multiple of this on CUDA (`common.vocab_padding`): a
+# logits row of a multiple of 8 halves (16 bytes) is what cuBLAS's vectorised tensor-op kernels
+# need (a vocabulary like GPT-2's 50,257 otherwise gets an alignment-1 kernel); 64 also keeps the
+# rows a whole number of GEMM tiles' columns, as vLLM pads. Vocabularies already a multiple
+# (SmolLM2's 49,152, Llama 3's 128,256, Qwen2's 151,936) are not padded.
+VOCAB_PAD_MULTIPLE = 64
 
 
 _DUMMY_SHAPES = {
@@ -408,6 +414,25 @@ def _max_model_len(config: EngineConfig, hf_config, name: str) -> int:
     return config.max_model_len or model_max
 
 
+def vocab_pad_multiple(device: torch.device, cpu_weights: str = "float") -> int:
+    """What the output layer's rows are padded to a multiple of: `VOCAB_PAD_MULTIPLE` on CUDA; 1
+    (none) on the CPU, whose matmuls gain nothing from it. ``ROSE_VOCAB_PAD=N`` pads to N on any
+    device, 1 never (for measuring the padding, and for testing it on the CPU). Never with CPU
+    weights other than float: those replace the output layer (`quant.prepare_cpu_weights`)."""
+    raw = os.environ.get("ROSE_VOCAB_PAD", "").strip()
+    if cpu_weights != "float":
+        return 1
+    if not raw:
+        return VOCAB_PAD_MULTIPLE if device.type == "cuda" else 1
+    try:
+        multiple = int(raw)
+    except ValueError:
+        multiple = 0
+    if multiple < 1:
+        raise ConfigError(f"ROSE_VOCAB_PAD must be a whole number of rows of at least 1 (1: no padding), got {raw!r}")
+    return multiple
+
+
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                progress: Optional[Callable[[str, int, int], None]] = None) -> LoadedModel:
     """The model of ``config`` on ``device``; on CPU its linear layers in ``config.cpu_weights``
@@ -430,12 +455,13 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     else:
         tokenizer = _tokenizer(model_dir)
     tp = tensor_parallel()  # this rank's shard only, when the model is split over processes
-    with torch.device(device), _skip_init(), _default_dtype(dtype):
+    kind = config.cpu_weights if device.type == "cpu" else "float"
+    with (torch.device(device), _skip_init(), _default_dtype(dtype),
+          vocab_padding(vocab_pad_multiple(device, kind))):
         model = cls(hf_config) if tp is None else build_sharded(cls, hf_config, tp)
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
         if isinstance(m, RotaryEmbedding):
             m.cos, m.sin = m.cos.float(), m.sin.float()
-    kind = config.cpu_weights if device.type == "cpu" else "float"
 
     def load_weights(m: torch.nn.Module) -> None:
         check_converted(model_dir)

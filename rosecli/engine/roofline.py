@@ -9,7 +9,9 @@ Bytes per decode step (`DecodeBytes`), each tensor in its own dtype:
 - weights: every parameter once, except the embedding tables (token and position), of which a
   step reads only the rows it looks up: one row of each per sequence. The logits GEMM reads the
   output layer in full: an untied ``lm_head`` is a parameter like any other; a tied one is the
-  token embedding, counted in full for it (its looked-up rows count as well).
+  token embedding, counted in full for it (its looked-up rows count as well). Where the output
+  layer's rows are padded (``model.logits_weight``, `models.common.vocab_padding`), the GEMM
+  reads the padded tensor: it is counted instead, padding rows included.
 - KV: each sequence reads K and V of its whole context (its new token included) in every layer:
   2 x layers x kv_heads x head_dim x KV dtype bytes x the sum of the batch's context lengths.
 
@@ -72,8 +74,12 @@ def decode_bytes(model: nn.Module, kv_dtype: torch.dtype) -> DecodeBytes:
     tables = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
     table_ids = {id(w) for w in tables}
     weights = sum(_nbytes(p) for p in model.parameters() if id(p) not in table_ids)
-    if getattr(model, "lm_head", None) is None:  # tied: the logits GEMM reads the token embedding in full
-        weights += _nbytes(model.output_embedding())
+    head = getattr(model, "lm_head", None)
+    padded = getattr(model, "logits_weight", None)  # the output rows padded: what the logits GEMM reads
+    if head is None:  # tied: the logits GEMM reads the token embedding in full
+        weights += _nbytes(model.output_embedding() if padded is None else padded)
+    elif padded is not None and isinstance(head, nn.Linear):  # its weight, counted above: the padded rows'
+        weights += _nbytes(padded) - _nbytes(head.weight)
     rows = sum(w.shape[1] * w.element_size() for w in tables)
     return DecodeBytes(weights, rows, kv_bytes_per_block(model, 1, kv_dtype))
 

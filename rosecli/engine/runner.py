@@ -34,6 +34,7 @@ from rosecli.engine.sampling_state import SamplerState
 from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
 from rosecli.engine.step_plan import StepPlan
+from rosecli.kernels.argmax import argmax as split_argmax, logits_argmax
 
 CPU_DEFAULT_KV_TOKENS = 8192
 
@@ -365,8 +366,13 @@ class ModelRunner:
         d = self.dev_staging
         input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
         hidden = self.model(input_ids, d.positions[:batch], meta)
-        logits = self.model.compute_logits(hidden)
-        greedy = logits.argmax(dim=-1)
+        gemm = getattr(self.model, "logits_gemm", None) if self.use_graphs else None
+        raw = gemm(hidden) if gemm is not None else None
+        if raw is not None:  # in the decode graph: one pass makes the float32 logits and the greedy argmax
+            logits, greedy = logits_argmax(raw, self.model.vocab_size)  # (kernels/argmax.py)
+        else:
+            logits = self.model.compute_logits(hidden)
+            greedy = split_argmax(logits) if self.use_graphs else logits.argmax(dim=-1)
         d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
         return logits, greedy
 

@@ -11,6 +11,7 @@ so CPU results are unchanged bit for bit.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable, NamedTuple, Optional
 
 import torch
@@ -20,6 +21,82 @@ from torch import nn
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
+
+
+# --- the output layer's rows, padded -----------------------------------------------------------
+#
+# The logits GEMM writes [N, vocab] rows; a vocabulary that is not a multiple of 8 (GPT-2's 50,257)
+# makes every row of the output misaligned for 16-byte vector stores, and cuBLAS falls back to an
+# alignment-1 kernel (on the H100: an sm75 tensor-op kernel, 105 us of a 708 us GPT-2 step at B=64,
+# four times its read floor). Built inside `vocab_padding(m)`, a model keeps its output layer's
+# rows in one [vocab rounded up to m, width] tensor (`padded_output_rows`): the parameter the
+# checkpoint loads into (the token embedding when tied, else ``lm_head.weight``) is a view of its
+# first ``vocab`` rows, so the weights are allocated once, the embedding looks up real rows only,
+# and the rows past the vocabulary stay zero. Only the logits GEMM reads the padded tensor
+# (`output_logits`), and it slices the logits back to the real rows before anything else sees
+# them: samplers, logprobs, grammars and argmaxes get the same [N, vocab] float32 tensor as before.
+# A padded model must be built on its device in its dtype (as the loader does): ``model.to()``
+# would copy the parameters away from the padded tensor.
+
+_vocab_multiple = 1
+
+
+@contextmanager
+def vocab_padding(multiple: int):
+    """Models built inside pad their output layer's rows to a multiple of ``multiple`` (1: none)."""
+    global _vocab_multiple
+    if multiple < 1:
+        raise ValueError(f"vocab padding multiple must be at least 1, got {multiple}")
+    saved, _vocab_multiple = _vocab_multiple, multiple
+    try:
+        yield
+    finally:
+        _vocab_multiple = saved
+
+
+def padded_output_rows(rows: int, width: int) -> Optional[torch.Tensor]:
+    """A [rows rounded up to the `vocab_padding` multiple, width] tensor (default device and dtype)
+    whose rows past ``rows`` are zero; None when no padding is asked or ``rows`` is a multiple."""
+    m = _vocab_multiple
+    if m <= 1 or rows % m == 0:
+        return None
+    full = torch.empty(-(-rows // m) * m, width)
+    with torch.no_grad():
+        full[rows:].zero_()
+    return full
+
+
+def output_embedding_module(rows: int, width: int, padded: Optional[torch.Tensor]) -> nn.Embedding:
+    """``nn.Embedding(rows, width)``, its weight a view of ``padded``'s first rows when given."""
+    if padded is None:
+        return nn.Embedding(rows, width)
+    return nn.Embedding(rows, width, _weight=padded[:rows])
+
+
+def output_linear(width: int, rows: int, padded: Optional[torch.Tensor]) -> nn.Linear:
+    """``nn.Linear(width, rows, bias=False)``, its weight a view of ``padded``'s first rows when given."""
+    if padded is None:
+        return nn.Linear(width, rows, bias=False)
+    linear = nn.Linear(width, rows, bias=False, device="meta")  # nothing allocated for the weight it replaces
+    linear.weight = nn.Parameter(padded[:rows])
+    return linear
+
+
+def logits_gemm(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:
+    """The logits GEMM alone: ``hidden @ W^T`` in the weights' dtype, W = ``padded`` (the tensor
+    ``weight`` is the first rows of) when given, else ``weight``: [N, rows of W], the columns past
+    ``weight``'s rows zero."""
+    return F.linear(hidden, weight if padded is None else padded)
+
+
+def output_logits(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:
+    """float32 ``hidden @ weight^T``, [N, rows of ``weight``]: `logits_gemm`, sliced back to the
+    real rows when padded. The slice is consumed by the float32 conversion the logits need anyway
+    (one kernel, as without padding); float32 weights (CPU) copy it once to keep it contiguous."""
+    if padded is None:
+        return F.linear(hidden, weight).float()
+    out = logits_gemm(hidden, weight, padded)[..., :weight.shape[0]]
+    return out.float() if out.dtype != torch.float32 else out.contiguous()
 
 
 class RMSNorm(nn.Module):

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
-                                           linear_gelu)
+                                           linear_gelu, logits_gemm, output_embedding_module,
+                                           output_logits, padded_output_rows)
 
 
 class GPT2Block(nn.Module):
@@ -44,7 +44,9 @@ class GPT2ForCausalLM(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        # the logits GEMM's weight: wte's rows padded (`common.vocab_padding`), or None (wte itself)
+        self.logits_weight = padded_output_rows(cfg.vocab_size, cfg.n_embd)
+        self.wte = output_embedding_module(cfg.vocab_size, cfg.n_embd, self.logits_weight)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
@@ -69,8 +71,14 @@ class GPT2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.wte.weight).float()
+            return output_logits(hidden, self.wte.weight, self.logits_weight)
         return self.lm_head(hidden).float()
+
+    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
+        vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
+        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
+        return None if self.lm_head is not None else logits_gemm(hidden, self.wte.weight, self.logits_weight)
 
     # Hugging Face name (after the optional "transformer." prefix) -> (our name, transpose?)
     _RENAMES = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj", "mlp.c_fc": "c_fc",

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, silu_mul)
+                                           copy_weight, logits_gemm, output_embedding_module, output_linear,
+                                           output_logits, padded_output_rows, silu_mul)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels import rotary
 
@@ -116,13 +116,17 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = context_length(cfg)
         angles, scale = rotary_angles(cfg, _head_dim(cfg), self.max_position)
         self.rotary = RotaryEmbedding(_head_dim(cfg), self.max_position, angles=angles, scale=scale)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # the logits GEMM's weight: the output layer's rows padded (`common.vocab_padding`), or None
+        self.logits_weight = padded_output_rows(cfg.vocab_size, cfg.hidden_size)
+        tied_padded = self.logits_weight if self.tie_word_embeddings else None
+        self.embed_tokens = output_embedding_module(cfg.vocab_size, cfg.hidden_size, tied_padded)
         self.layers = nn.ModuleList(LlamaLayer(cfg, qkv_bias, self.qk_norm, window)
                                     for window in layer_windows(cfg))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # None when tied to the embedding (`prepare_cpu_weights` may set a copy in another representation)
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if self.tie_word_embeddings
+                        else output_linear(cfg.hidden_size, cfg.vocab_size, self.logits_weight))
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = _head_dim(cfg)
@@ -143,8 +147,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            return output_logits(hidden, self.embed_tokens.weight, self.logits_weight)
+        if self.logits_weight is not None and isinstance(self.lm_head, nn.Linear):  # its weight: padded rows
+            return output_logits(hidden, self.lm_head.weight, self.logits_weight)
         return self.lm_head(hidden).float()
+
+    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
+        vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
+        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
+        if self.lm_head is None:
+            return logits_gemm(hidden, self.embed_tokens.weight, self.logits_weight)
+        if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
+            return logits_gemm(hidden, self.lm_head.weight, self.logits_weight)
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -294,6 +294,7 @@ def build_sharded(cls, cfg, tp: TensorParallel) -> nn.Module:
             layer.o_proj = RowParallelLinear(layer.o_proj, tp)
             layer.down_proj = RowParallelLinear(layer.down_proj, tp)
     model.compute_logits = _gathered_logits(model.compute_logits, cfg.vocab_size, tp)
+    model.logits_gemm = lambda hidden: None  # a shard's GEMM is not the logits: they need the gather
     return model
 
 

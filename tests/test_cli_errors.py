@@ -221,7 +221,7 @@ def test_compare_missing_and_damaged_files(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,needles", [
-    ("--cpu-weights", "int2", ["--cpu-weights", "auto, int4, float16, int8, float", "'int2'"]),
+    ("--cpu-weights", "int2", ["--cpu-weights", "auto, blocks, int4, float16, int8, float", "'int2'"]),
     ("--threads", "0", ["--threads", "between 1 and 1024", "0"]),
     ("--threads", "100000", ["--threads", "between 1 and 1024"]),
     ("--threads", "two", ["--threads"]),

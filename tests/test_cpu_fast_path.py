@@ -150,7 +150,7 @@ def test_auto_reads_4bit_mlp_layers_as_int4_and_the_rest_as_float16():
     with torch.no_grad():
         for lin in (layer.gate_up_proj, layer.qkv_proj, layer.down_proj):
             lin.weight.copy_(_q4_1_weight(*lin.weight.shape, 26))
-    prepare_cpu_weights(model, "auto")
+    prepare_cpu_weights(model, "auto", blocks=False)  # without rose's own kernels (test_native_blocks.py: with)
     assert isinstance(model.layers[0].gate_up_proj, Int4Linear)
     assert isinstance(model.layers[0].qkv_proj, Float16Linear)  # 4-bit, but an attention projection
     assert isinstance(model.layers[0].down_proj, Float16Linear)  # 4-bit, but its input is widest
@@ -183,7 +183,7 @@ def test_cpu_weights_auto_is_the_default_on_cpu(tiny_engine_factory):
 
 
 def test_cpu_weights_and_threads_are_validated():
-    with pytest.raises(ConfigError, match="--cpu-weights must be one of auto, int4, float16, int8, float"):
+    with pytest.raises(ConfigError, match="--cpu-weights must be one of auto, blocks, int4, float16, int8, float"):
         EngineConfig(cpu_weights="int2")
     for bad in (0, -1, True, 2.5):
         with pytest.raises(ConfigError, match="--threads must be an integer between 1 and 1024"):

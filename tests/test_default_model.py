@@ -49,7 +49,8 @@ def test_default_cpu_path_says_what_the_float_model_says(cache_dir, reference):
     """The bars of the default CPU path: the first 32 greedy tokens equal float32's on at least 7 of 8
     chat prompts, "Hello" among them (an int8 default once answered it "Hello! I'shine."), and
     teacher-forced top-1 agreement over 2,048 tokens of fixed text of at least 98%."""
-    from rosecli.engine.models.quant import Float16Linear, Int4Linear
+    from rosecli.engine import native
+    from rosecli.engine.models.quant import Float16Linear, Int4Linear, Q4Linear, Q8Linear
 
     assert EngineConfig().cpu_weights == "auto"
     engine, agreement = _agreement(cache_dir, reference, "auto")
@@ -58,13 +59,24 @@ def test_default_cpu_path_says_what_the_float_model_says(cache_dir, reference):
     assert 0 not in agreement.changed, "the answer to 'Hello' changed"
     assert agreement.positions >= 2000
     assert agreement.top1 >= 0.98, agreement.line()
-    # the GGUF's layers are 4-bit: auto reads gate/up as 4-bit codes, the rest as float16
-    for layer in engine.loaded.model.layers:
-        assert isinstance(layer.gate_up_proj, Int4Linear)
-        assert all(isinstance(m, Float16Linear) for m in (layer.qkv_proj, layer.o_proj, layer.down_proj))
-    assert isinstance(engine.loaded.model.lm_head, Float16Linear)
+    model = engine.loaded.model
+    if native.loaded() is not None:
+        # rose's kernels: every layer the GGUF's own 4-bit blocks, the output layer its 8-bit blocks (what
+        # --cpu-weights blocks makes of this GGUF too), each decode step one native call
+        for layer in model.layers:
+            assert all(isinstance(m, Q4Linear) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                          layer.down_proj))
+        assert isinstance(model.lm_head, Q8Linear)
+    else:
+        # torch's kernels: gate/up as 4-bit codes, the rest as float16
+        print(f"rose's CPU kernels unavailable: {native.unavailable}")
+        for layer in model.layers:
+            assert isinstance(layer.gate_up_proj, Int4Linear)
+            assert all(isinstance(m, Float16Linear) for m in (layer.qkv_proj, layer.o_proj, layer.down_proj))
+        assert isinstance(model.lm_head, Float16Linear)
 
 
+# (--cpu-weights blocks is what auto is on this GGUF when rose's kernels load: the same layers, tested above.)
 # The other representations, each held to what it measured (docs/cpu.md): float16 8/8 and 99.41%,
 # int4 (every layer 4-bit, bfloat16 activations) 6/8 and 98.29%, int8 (4-bit weights requantized
 # per channel, bfloat16 activations) 1/8 and 95.17%. Kept selectable; the last two below the bars.

@@ -83,10 +83,11 @@ ENGINE_OPTIONS: dict[str, Opt] = {
                  "directory, a .gguf file, or a hub id.", ENGINE),
     "cache_dir": Opt("--cache-dir", Optional[str], "Where converted models are cached (default ~/.cache/rosecli).",
                      ENGINE, envvar="ROSE_CACHE_DIR", metavar="DIR"),
-    "cpu_weights": Opt("--cpu-weights", str, "(CPU) What the linear layers read: auto (gate/up as their own 4-bit "
-                       "codes where the weights are 4-bit, as in a Q4 GGUF; the rest float16), or all int4, "
-                       "float16, int8, or float (as loaded, the reference). docs/cpu.md has each one's speed and "
-                       "agreement.", ENGINE, choices=CPU_WEIGHTS),
+    "cpu_weights": Opt("--cpu-weights", str, "(CPU) What the linear layers read: auto (a Q4 GGUF's own 4-bit and 8-bit "
+                       "blocks through rose's C++ kernels, built once with g++ on an AVX-512 VNNI CPU; any layer "
+                       "not in such blocks float16; without the kernels, gate/up as torch int4 and the rest "
+                       "float16), blocks (every layer 4-bit blocks, quantizing if need be), or all int4, float16, "
+                       "int8, or float (as loaded, the reference). docs/cpu.md has each one's speed and agreement.", ENGINE, choices=CPU_WEIGHTS),
     "threads": Opt("--threads", Optional[int], "(CPU) Threads for the model's math. Default: the CPUs this process "
                    "may use less those other programs keep busy at start "
                    f"({default_threads()} now).", ENGINE, metavar="N"),

@@ -16,7 +16,7 @@ from rosecli.engine.errors import ConfigError
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
-CPU_WEIGHTS = ("auto", "int4", "float16", "int8", "float")  # rosecli/engine/models/quant.py
+CPU_WEIGHTS = ("auto", "blocks", "int4", "float16", "int8", "float")  # rosecli/engine/models/quant.py
 
 DEFAULT_MODEL = "smollm2-135m"
 

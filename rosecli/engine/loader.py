@@ -42,7 +42,7 @@ from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
 from rosecli.engine.models.common import RotaryEmbedding, vocab_padding
 from rosecli.engine.models.parallel import build_sharded, init_dummy_shard, sharded_weights, tensor_parallel
-from rosecli.engine.models.quant import prepare_cpu_weights
+from rosecli.engine.models.quant import prepare_cpu_weights, resolved_kind
 from rosecli.engine.models.rope import context_length
 from rosecli.engine.models.shapes import NAMED_SHAPES
 
@@ -433,6 +433,25 @@ def vocab_pad_multiple(device: torch.device, cpu_weights: str = "float") -> int:
     return multiple
 
 
+def _load_block_kernels(config: EngineConfig, kind: str) -> None:
+    """Build (once, cached) and load rose's CPU block kernels (`rosecli.engine.native`); without them
+    ``auto`` keeps torch's kernels, with a one-line note, and ``blocks`` fails."""
+    import sys
+
+    from rosecli.engine import native
+
+    if native.loaded() is not None:
+        return
+    lib = native.load(cache_root(config))
+    if lib is None:
+        if kind == "blocks":
+            raise ConfigError(f"--cpu-weights blocks needs rose's CPU block kernels: {native.unavailable}")
+        print(f"note: rose's CPU block kernels are unavailable ({native.unavailable}); --cpu-weights auto "
+              "uses torch's kernels (slower)", file=sys.stderr)
+    elif native.build_seconds is not None:
+        log.info("built rose's CPU block kernels in %.1f s", native.build_seconds)
+
+
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                progress: Optional[Callable[[str, int, int], None]] = None) -> LoadedModel:
     """The model of ``config`` on ``device``; on CPU its linear layers in ``config.cpu_weights``
@@ -462,6 +481,8 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     for m in model.modules():  # rotary tables stay float32 whatever the model's dtype
         if isinstance(m, RotaryEmbedding):
             m.cos, m.sin = m.cos.float(), m.sin.float()
+    if kind in ("auto", "blocks"):
+        _load_block_kernels(config, kind)
 
     def load_weights(m: torch.nn.Module) -> None:
         check_converted(model_dir)
@@ -480,7 +501,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
     elif kind == "float":
         load_weights(model)
     else:
-        key = cpu_cache.cache_key(_weight_files(model_dir), kind)
+        key = cpu_cache.cache_key(_weight_files(model_dir), resolved_kind(kind))
         model = cpu_cache.prepared(cache_root(config) / "cpu-weights" / key, model, kind, load_weights)
     model.eval()
     return LoadedModel(model, hf_config, tokenizer, name, source, _eos_ids(hf_config, tokenizer, model_dir),

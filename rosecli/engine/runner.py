@@ -361,7 +361,9 @@ class ModelRunner:
 
     # --- execution --------------------------------------------------------------------------
     def _decode_forward(self, batch: int, meta: AttentionMetadata):
-        if not meta.use_triton:  # inside the captured graph: the block tables change every step
+        # inside the captured graph: the block tables change every step (a model with its own CPU
+        # decode kernel reads the block tables itself)
+        if not meta.use_triton and getattr(self.model, "native_decode", lambda: None)() is None:
             meta = with_decode_gather(meta, self.block_size, self.model.num_kv_heads, self.dtype)
         d = self.dev_staging
         input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids

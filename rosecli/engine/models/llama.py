@@ -135,7 +135,25 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.attn for layer in self.layers]
 
+    def native_decode(self):
+        """The whole-step CPU decode kernel (`rosecli.engine.native.LlamaDecode`) when this model can
+        use it (rose's block kernels loaded, every linear layer 4-bit blocks), else None."""
+        from rosecli.engine import native
+
+        if native.loaded() is None or self.embed_tokens.weight.device.type != "cpu":
+            return None
+        k0 = self.layers[0].attn.k_cache
+        cached = self.__dict__.get("_native_decode")
+        if cached is None or cached[0] is not k0:
+            cached = (k0, native.LlamaDecode.build(self) if k0 is not None else None)
+            self.__dict__["_native_decode"] = cached
+        return cached[1]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not meta.is_prefill and not meta.use_triton:
+            fast = self.native_decode()
+            if fast is not None:
+                return fast(input_ids, positions, meta)
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.for_step(positions, fused_rotary(meta))
         for layer in self.layers:

@@ -14,6 +14,7 @@ The grammar requests are greedy (as W1's); ``--temperature`` samples every reque
 """
 
 import argparse
+import os
 import json
 import pathlib
 import statistics
@@ -74,7 +75,8 @@ def main():
     cfg = EngineConfig(model=a.model, load_format="dummy", device=a.device, max_batch_size=n,
                        enable_prefix_cache=False, show_progress=False,
                        paged_attn=True if cuda else None, cuda_graph=(not a.no_cuda_graph) if cuda else None,
-                       overlap_schedule=False if a.no_overlap else None)
+                       overlap_schedule=False if a.no_overlap else None,
+                       cache_dir=os.environ.get("ROSE_CACHE_DIR"))  # as the CLI's --cache-dir reads it
     engine = LLMEngine(cfg)
     spec = GrammarSpec.json_schema(pathlib.Path(a.schema).read_text(), "--schema")
     engine.structured.compile(spec)  # compiled once, before any timing

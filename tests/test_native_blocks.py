@@ -3,6 +3,8 @@ torch matmul of the same weights, the one-call decode step against the layer-by-
 and ``auto`` without them (torch's kernels, a one-line note)."""
 
 import copy
+import os
+import threading
 import time
 
 import pytest
@@ -68,6 +70,64 @@ def test_blocks_read_the_gguf_weights_back_bit_for_bit():
     for cls, kind, w in ((Q4Linear, 4, _q4_1(40, 128, 6)), (Q8Linear, 8, _q8_0(40, 128, 7))):
         lin = cls(w)
         assert torch.equal(native.dequant(kind, lin.codes, lin.scales, 40, 128), w)
+
+
+def _on_new_thread(fn):
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()))
+    t.start()
+    t.join()
+    return box[0]
+
+
+def test_kernels_give_the_same_answer_from_any_thread_and_from_threads_at_once():
+    lin = Q4Linear(_q4_1(640, 256, 13))
+    xs = [torch.randn(1, 256, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    want = [lin(x) for x in xs]
+    assert all(torch.equal(_on_new_thread(lambda: lin(x)), y) for x, y in zip(xs, want))
+    got = [None] * len(xs)
+
+    def run(i):
+        for _ in range(50):
+            got[i] = lin(xs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_decode_matmul_is_as_fast_on_a_worker_thread_as_on_the_main_thread():
+    """The streaming manager (`rose chat`, `serve-local`, the benchmark) steps the engine on its own
+    thread. With OpenMP (torch's libgomp) a parallel region started there found more OpenMP threads
+    in the process than CPUs and put its threads to sleep after every region: a decode step (~150
+    regions) ran at 0.4x of the main thread's speed on 2 cores. Best of 5 batches each, interleaved,
+    so that load from other programs hits both sides alike."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lin = Q4Linear(_q4_1(1536, 576, 14))  # SmolLM2's gate/up shape
+        x = torch.randn(1, 576)
+
+        def batch():
+            t0 = time.perf_counter()
+            for _ in range(300):
+                lin(x)
+            return time.perf_counter() - t0
+
+        batch()
+        main, worker = [], []
+        for _ in range(5):
+            main.append(batch())
+            worker.append(_on_new_thread(batch))
+    finally:
+        torch.set_num_threads(before)
+    print(f"300 matmuls: main thread {min(main) * 1e3:.1f} ms, worker thread {min(worker) * 1e3:.1f} ms")
+    assert min(worker) <= min(main) / 0.7
 
 
 def test_auto_and_blocks_choose_layers_by_what_the_weights_are():

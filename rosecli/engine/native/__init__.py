@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 SOURCE = Path(__file__).with_name("blocks.cpp")
-VERSION = 3  # rose_blocks_version() of this source
-CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-mavx512f",
+VERSION = 4  # rose_blocks_version() of this source
+CXX_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp", "-ffp-contract=off", "-mavx512f",
              "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 # what /proc/cpuinfo must list for the compiled code to run
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c")

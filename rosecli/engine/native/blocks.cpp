@@ -20,11 +20,131 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <omp.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+// Threads: rose's own pool for the decode step's matmuls and attention, not OpenMP. libgomp (torch's, which this library shared) spins a waiting
+// thread only while the process's OpenMP threads, summed over every host thread that has started a
+// parallel region, are no more than the CPUs; past that it spins 100 times and sleeps in the kernel.
+// A decode step is ~150 parallel regions, so on 2 CPUs a step started from any thread but the main
+// one (the streaming manager's worker, the server's) woke sleeping threads 150 times and ran at 0.4x
+// (docs/cpu.md). This pool's workers spin for SPIN_NS after each region, whichever thread called,
+// then sleep on a condition variable; the calling thread runs part 0.
+namespace {
+
+constexpr int64_t SPIN_NS = 3000000;  // what libgomp spins when not throttled (about 3 ms)
+
+struct Pool {
+  std::mutex call;                     // one parallel region at a time
+  std::mutex mu;                       // sleeping workers
+  std::condition_variable cv;
+  std::atomic<uint64_t> gen{0};        // (region number << 8) | its thread count
+  std::atomic<int> pending{0};         // workers of this region not yet done
+  std::atomic<int> sleepers{0};
+  void (*fn)(void*, int, int) = nullptr;
+  void* ctx = nullptr;
+  int started = 0;                     // workers (ids 1..started)
+};
+
+Pool* pool_ = nullptr;
+std::once_flag pool_once_;
+
+void pool_reset_after_fork() { pool_ = new Pool(); }  // the child has none of the parent's threads
+
+Pool* pool() {
+  std::call_once(pool_once_, [] {
+    pool_ = new Pool();  // never freed: detached workers may outlive static destructors at exit
+    pthread_atfork(nullptr, nullptr, pool_reset_after_fork);
+  });
+  return pool_;
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void worker(Pool* p, int id, uint64_t seen) {
+  for (;;) {
+    uint64_t g;
+    int64_t until = now_ns() + SPIN_NS;
+    for (int k = 1; (g = p->gen.load(std::memory_order_acquire)) == seen; ++k) {
+      _mm_pause();
+      if ((k & 255) == 0 && now_ns() > until) {
+        std::unique_lock<std::mutex> lk(p->mu);
+        p->sleepers.fetch_add(1);
+        p->cv.wait(lk, [&] { return p->gen.load() != seen; });
+        p->sleepers.fetch_sub(1);
+      }
+    }
+    seen = g;
+    // the region's thread count travels in the generation word: a worker left out of it never reads
+    // fn/ctx, and one taking part holds the region open (pending) until it is done with them
+    if (id < (int)(g & 255)) {
+      p->fn(p->ctx, id, (int)(g & 255));
+      p->pending.fetch_sub(1, std::memory_order_release);
+    }
+  }
+}
+
+// fn(ctx, i, n) for i in 0..n-1, part 0 on the calling thread; returns when all are done.
+void run_parallel(int n, void (*fn)(void*, int, int), void* ctx) {
+  if (n <= 1) {
+    fn(ctx, 0, 1);
+    return;
+  }
+  Pool* p = pool();
+  std::lock_guard<std::mutex> call(p->call);
+  while (p->started < n - 1) {
+    std::thread(worker, p, ++p->started, p->gen.load()).detach();
+  }
+  p->fn = fn;
+  p->ctx = ctx;
+  p->pending.store(n - 1, std::memory_order_relaxed);
+  // seq_cst: a worker going to sleep sees the new generation, or we see it among the sleepers
+  p->gen.store((((p->gen.load() >> 8) + 1) << 8) | (uint64_t)n);
+  if (p->sleepers.load() > 0) {
+    std::lock_guard<std::mutex> lk(p->mu);
+    p->cv.notify_all();
+  }
+  fn(ctx, 0, n);
+  for (int k = 1; p->pending.load(std::memory_order_acquire) != 0; ++k) {
+    _mm_pause();
+    if ((k & 4095) == 0) sched_yield();  // a worker lost its core: let it have ours
+  }
+}
+
+// for (i = 0; i < count; ++i) body(i), split into `threads` equal ranges (OpenMP's static schedule).
+template <class F>
+void parallel_for(int threads, int count, const F& body) {
+  if (threads > count) threads = count;
+  if (threads > 255) threads = 255;
+  if (threads <= 1) {
+    for (int i = 0; i < count; ++i) body(i);
+    return;
+  }
+  struct Job { const F* body; int count; } job{&body, count};
+  run_parallel(threads, [](void* c, int t, int nt) {
+    const Job* j = (const Job*)c;
+    const int q = j->count / nt, r = j->count % nt;
+    const int lo = t * q + (t < r ? t : r), hi = lo + q + (t < r ? 1 : 0);
+    for (int i = lo; i < hi; ++i) (*j->body)(i);
+  }, &job);
+}
+
+}  // namespace
 
 extern "C" {
 
-int rose_blocks_version() { return 3; }
+int rose_blocks_version() { return 4; }
 
 // One activation row, prepared once per matmul: xq [P][64] int16, sv [P][16] (each lane's block
 // scale), bs [P][16] (each lane's block sum / 8, for the q4 offsets).
@@ -107,8 +227,7 @@ static int blocks_mm(int kind, const float* x, int n, int K, const void* codes, 
   }
   for (int r = 0; r < n; ++r) prepare_x(x + (size_t)r * K, K, xq + (size_t)r * P * 64, sv + (size_t)r * P * 16,
                                         bs + (size_t)r * P * 16);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && N >= 64)
-  for (int o = 0; o < N; ++o) {
+  parallel_for(N >= 64 ? threads : 1, N, [&](int o) {
     for (int r = 0; r < n; ++r) {
       float v;
       if (kind == 4) {
@@ -120,7 +239,7 @@ static int blocks_mm(int kind, const float* x, int n, int K, const void* codes, 
       }
       y[(size_t)r * N + o] = bias ? v + bias[o] : v;
     }
-  }
+  });
   free(xq); free(sv); free(bs);
   return 0;
 }
@@ -211,8 +330,7 @@ int rose_llama_decode(const RoseModel* m, int B, float* x, const float* cos, con
         }
       }
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * H > 1)
-    for (int bh = 0; bh < B * H; ++bh) {
+    parallel_for(threads, B * H, [&](int bh) {
       const int b = bh / H, hh = bh % H, g = hh / group, n = ctx[b];
       const float* q = qkv + (size_t)b * qkv_n + hh * HD;
       const int32_t* table = tables + (size_t)b * m->table_stride;
@@ -238,7 +356,7 @@ int rose_llama_decode(const RoseModel* m, int B, float* x, const float* cos, con
         const float p = sc[t] * inv;
         for (int i = 0; i < HD; ++i) o[i] += p * v[i];
       }
-    }
+    });
     rc |= blocks_mm(4, att, B, H * HD, L.o.codes, L.o.scales, L.o.bias, x, D, threads);
     for (int b = 0; b < B; ++b) add_rms_norm(x + b * D, residual + b * D, L.ln2, m->eps, D, h + b * D, false);
     rc |= blocks_mm(4, h, B, D, L.gate_up.codes, L.gate_up.scales, L.gate_up.bias, gu, 2 * I, threads);
@@ -258,6 +376,9 @@ int rose_llama_decode(const RoseModel* m, int B, float* x, const float* cos, con
 }
 
 // The float32 weights [N, K] the blocks hold (for many-row inputs: prefill multiplies them with torch).
+// Prefill calls this between torch's matmuls, so it runs on OpenMP's threads, which are torch's (the
+// process has one libgomp.so.1, torch's): two sets of threads taking turns would each spin on the
+// other's cores.
 int rose_blocks_dequant(int kind, const void* codes, const uint16_t* scales, int N, int K, float* w, int threads) {
   if (K % 64 != 0) return 1;
   const int P = K / 64;

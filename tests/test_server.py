@@ -69,6 +69,28 @@ class LiveServer:
         self.engine.close()
 
 
+def server_fixtures(timeout: float = 60, **server_kw):
+    """``live, client, http`` module fixtures for a test file of its own server (no API key):
+    ``live, client, http = server_fixtures(...)`` at the top of the file."""
+
+    @pytest.fixture(scope="module")
+    def live(cache_dir):
+        srv = LiveServer(cache_dir, **server_kw)
+        yield srv
+        srv.stop()
+
+    @pytest.fixture(scope="module")
+    def client(live):
+        return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=timeout)
+
+    @pytest.fixture(scope="module")
+    def http(live):
+        with httpx.Client(base_url=live.url, timeout=timeout) as c:
+            yield c
+
+    return live, client, http
+
+
 @pytest.fixture(scope="module")
 def live(cache_dir, tmp_path_factory):
     srv = LiveServer(cache_dir, api_key=KEY, profile_dir=str(tmp_path_factory.mktemp("profiles")))

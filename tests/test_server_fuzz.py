@@ -14,11 +14,10 @@ for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client", "hy
 
 import json
 
-import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_server import MODEL, LiveServer, metrics
+from test_server import MODEL, metrics, server_fixtures
 
 VOCAB = 49152
 
@@ -95,17 +94,8 @@ def bodies(draw):
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-@pytest.fixture(scope="module")
-def live(cache_dir):
-    srv = LiveServer(cache_dir, max_model_len=96)  # chat's default max_tokens is the rest of the context
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def http(live):
-    with httpx.Client(base_url=live.url, timeout=20) as c:  # a hang fails the test
-        yield c
+# chat's default max_tokens is the rest of the context; a hang fails the test (20 s)
+live, _, http = server_fixtures(timeout=20, max_model_len=96)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,

@@ -9,31 +9,14 @@ import pytest
 for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
     pytest.importorskip(_extra)
 
-import httpx
-import openai
 
-from test_server import MODEL, LiveServer
+from test_server import MODEL, server_fixtures
 
 MSG = [{"role": "user", "content": "hi"}]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
-@pytest.fixture(scope="module")
-def live(cache_dir):
-    srv = LiveServer(cache_dir)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def http(live):
-    with httpx.Client(base_url=live.url, timeout=60) as c:
-        yield c
+live, client, http = server_fixtures(timeout=60)
 
 
 def _check_completion_logprobs(lp, text: str, k: int, n_tokens: int) -> None:

@@ -12,13 +12,12 @@ import json
 import re
 
 import httpx
-import openai
 import pytest
 
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_server import MODEL, LiveServer  # noqa: E402
+from test_server import MODEL, server_fixtures  # noqa: E402
 
 MSG = [{"role": "user", "content": "Give me a city."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -36,22 +35,7 @@ TIME = {"type": "function", "function": {
 COMMON = {"temperature": 1.0, "max_tokens": 200}
 
 
-@pytest.fixture(scope="module")
-def live(cache_dir):
-    srv = LiveServer(cache_dir)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(live):
-    with httpx.Client(base_url=live.url, timeout=120) as c:
-        yield c
+live, client, http = server_fixtures(timeout=120)
 
 
 def _stream_text(chunks) -> tuple[str, str]:

@@ -40,7 +40,7 @@ from rosecli.engine import cache_files, cpu_cache
 from rosecli.engine.gguf_convert import check_converted, convert_gguf, is_converted
 from rosecli.engine.models import model_class
 from rosecli.engine.models.config import model_config
-from rosecli.engine.models.common import RotaryEmbedding, vocab_padding
+from rosecli.engine.models.common import RotaryEmbedding, init_dummy, vocab_padding
 from rosecli.engine.models.parallel import build_sharded, init_dummy_shard, sharded_weights, tensor_parallel
 from rosecli.engine.models.quant import prepare_cpu_weights, resolved_kind
 from rosecli.engine.models.rope import context_length
@@ -365,28 +365,6 @@ def _iter_weight_slices(path: Path, device: torch.device):
             raise ModelLoadError(f"cannot read weights {f}: {e}: the file is corrupt or incomplete") from None
 
 
-def _init_dummy(model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Like Hugging Face's init: normal(0, 0.02) matrices, norm weights 1, biases 0.
-
-    Drawn on the target device in the target dtype with a generator seeded by ``seed``: the same
-    seed gives the same weights on the same kind of device and dtype. CPU and CUDA draw different
-    numbers; drawing on the CPU and copying would make them equal but costs about 1 s for 124M
-    parameters, half the start-up budget of a dummy GPT-2 on a GPU.
-    """
-    if device.type == "meta":  # shapes only (tests count parameters of the full-size shapes this way)
-        return
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:  # norm weights
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-
-
 def _eos_ids(hf_config, tokenizer, model_dir: Optional[Path]) -> list[int]:
     ids: set[int] = set()
     for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -490,7 +468,7 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype,
 
     if dummy:
         if tp is None:
-            _init_dummy(model, config.seed, device)
+            init_dummy(model, config.seed, device)
         else:
             init_dummy_shard(model, cls, hf_config, tp, config.seed, device)
         prepare_cpu_weights(model, kind)

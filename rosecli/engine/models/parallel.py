@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.errors import ConfigError
+from rosecli.engine.models.common import init_dummy
 
 
 @dataclass(frozen=True)
@@ -304,20 +305,13 @@ def init_dummy_shard(model: nn.Module, cls, cfg, tp: TensorParallel, seed: int, 
     with torch.device("meta"):
         full = dict(cls(cfg).named_parameters())
     plan = ShardPlan(cfg, tp.rank, tp.size)
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                whole = torch.empty(full[name].shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=g)
-                spec = plan.spec(name)
-                p.copy_(whole if spec is None else take_shard(lambda d, s, e: whole.narrow(d, s, e - s),
-                                                               whole.shape, spec))
-                del whole
+
+    def draw(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+        whole = torch.empty(full[name].shape, dtype=p.dtype, device=device).normal_(0.0, 0.02, generator=g)
+        spec = plan.spec(name)
+        p.copy_(whole if spec is None else take_shard(lambda d, s, e: whole.narrow(d, s, e - s), whole.shape, spec))
+
+    init_dummy(model, seed, device, draw)
 
 
 def sharded_weights(weights: Iterable[tuple[str, Any]], cfg, tp: TensorParallel):

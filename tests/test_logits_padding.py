@@ -304,3 +304,36 @@ def test_gpt2_on_cuda_pads_its_output_rows_and_decodes_through_the_graphs(monkey
               for i in range(64)]
     outs = padded.generate([f"Hello {i}" for i in range(64)], params)
     assert all(len(o.token_ids) == 16 and max(o.token_ids) < 50257 for o in outs)
+
+
+# --- the masked argmax of greedy rows under a grammar ---------------------------------------------
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 50257), (3, 4099), (6, 300)])
+def test_masked_argmax_equals_masking_then_argmax(rows, cols):
+    """One masked argmax (the bits read in its first stage, the logits not rewritten) against
+    the bitmask applied in place and torch.argmax: random masks, a row with one token allowed, a
+    row with none (0, as torch gives for a row of -inf), NaN allowed and not, a bitmask buffer
+    wider and taller than the logits, and ids written into a given buffer."""
+    from rosecli.kernels.argmax import masked_argmax, masked_argmax_ref
+
+    g = torch.Generator().manual_seed(rows * cols)
+    x = torch.randn(rows, cols + 5, generator=g)
+    W = (cols + 31) // 32
+    bits = torch.randint(-2**31, 2**31 - 1, (rows + 2, W + 1), dtype=torch.int32, generator=g)
+    bits[0] = 0
+    bits[0, (cols - 1) // 32] = 1 << ((cols - 1) % 32)  # only the last token
+    if rows > 2:
+        bits[1] = 0  # nothing allowed
+        x[2, 7] = NAN
+        bits[2, 0] |= 1 << 7  # an allowed NaN wins, as in torch
+        x[2, 9] = NAN
+        bits[2, 0] &= ~(1 << 9)
+    before = x.clone()
+    out = torch.full((rows,), -5, dtype=torch.long)
+    got = masked_argmax(x, bits, cols, out=out)
+    assert got is out and out.tolist() == masked_argmax_ref(x, bits, cols).tolist()
+    assert out[0] == cols - 1
+    assert torch.equal(x.nan_to_num(), before.nan_to_num())  # the logits are left as they were
+    if rows > 2:
+        assert out[1] == 0 and out[2] == 7

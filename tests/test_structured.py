@@ -192,6 +192,12 @@ def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory):
     for o in outs[1:]:
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), PERSON)
+    # the masked argmax (its own captured graph after a first eager step) against the mask written
+    # into the logits and the sampler's greedy pick (a zero logit_bias sends a request there)
+    biased = SamplingParams(max_new_tokens=300, temperature=0.0, structured=spec, logit_bias={0: 0.0})
+    via_sampler = engine.generate([f"{i} g" for i in range(6)], [biased] * 6)
+    assert [o.token_ids for o in via_sampler] == [o.token_ids for o in g_alone]
+    assert any(k[0] == "masked" for k in engine.runner._sampler_graphs)
 
 
 def test_device_mask_op_matches_the_library():
@@ -303,3 +309,61 @@ def test_threaded_and_serial_mask_fills_agree(engine, monkeypatch):
     assert [o.token_ids for o in threaded] == [o.token_ids for o in serial]
     for o in threaded:
         jsonschema.validate(json.loads(o.text), PERSON)
+
+
+# --- the host half: a step's tokens accepted in one batched call ---------------------------------
+
+
+class _Seq:
+    def __init__(self, request_id, prompt, out):
+        self.request_id, self.num_prompt_tokens, self.token_ids = request_id, len(prompt), list(prompt) + list(out)
+
+
+def test_batched_accept_refusals_stops_and_resumed_rows(engine):
+    """`fill` after one decode step: rows with one new token go through the library's batched
+    accept, a row with several (a resumed request) token by token. Each row's mask is what a
+    matcher fed the same tokens one by one allows; a token the grammar refuses leaves only the
+    stop tokens (the request ends); a row whose stop token was accepted and a row without a
+    grammar stay all ones."""
+    so = engine.structured
+    spec = GrammarSpec.choice(["red", "green", "blue whale"])
+    tok = engine.tokenizer
+    eos = so.eos_token_ids
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    rows = {  # request id -> (tokens sampled before this fill, tokens sampled since)
+        901: ([], ids("gr")[:1]),  # one new token: batched
+        902: ([], [ids("x")[0]]),  # refused
+        903: (ids("red"), eos[:1]),  # the stop token after a whole choice: terminated
+        904: ([], ids("blue whale")[:3]),  # several new tokens: one by one
+        905: ([], []),  # nothing new yet
+    }
+    for rid in rows:
+        so.add(rid, spec)
+    try:
+        seqs = [_Seq(rid, [1, 2], before) for rid, (before, _) in rows.items()]
+        seqs.insert(2, _Seq(990, [1], [5]))  # a free request between them
+        assert so.fill(seqs, None, -1) is not None  # the tokens before: accepted
+        for s in seqs:
+            if s.request_id in rows:
+                s.token_ids += rows[s.request_id][1]
+        written = so.fill(seqs, None, -1)
+        assert written == [0, 1, 3, 4, 5]
+        host = so.filled_host().numpy()
+        W = host.shape[1]
+        for i, s in enumerate(seqs):
+            rid = s.request_id
+            if rid == 902:
+                assert host[i].tolist() == so._only_eos.tolist()
+                continue
+            if rid in (990, 903):
+                assert (host[i] == -1).all(), rid
+                continue
+            ref = xgrammar.GrammarMatcher(so.compile(spec))
+            for t in rows[rid][0] + rows[rid][1]:
+                assert ref.accept_token(t)
+            want = xgrammar.allocate_token_bitmask(1, so.vocab_size)
+            ref.fill_next_token_bitmask(want)
+            assert host[i].tolist() == want[0, :W].tolist(), rid
+    finally:
+        for rid in rows:
+            so.release(rid)

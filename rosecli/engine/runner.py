@@ -17,6 +17,7 @@ in the last decode launch); the scheduler's `Sequence` holds token and block sta
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 from typing import Callable, Optional
@@ -336,6 +337,13 @@ class ModelRunner:
                 for slot in slots:
                     st.release(slot)
         st.flush()
+        if st.use_triton and importlib.util.find_spec("xgrammar") is not None:
+            # greedy requests under a grammar take a masked argmax (`_masked_greedy_ids`): one variant
+            from rosecli.kernels.argmax import masked_argmax
+
+            V = st.vocab_size
+            masked_argmax(torch.randn(2, V, device=self.device),
+                          torch.full((2, (V + 31) // 32), -1, dtype=torch.int32, device=self.device))
 
     def _capture_graphs(self, progress) -> None:
         pool = None
@@ -494,7 +502,7 @@ class ModelRunner:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
             ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows)
-            if ids_dev is not greedy:
+            if ids_dev is not greedy and ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
 
@@ -564,11 +572,11 @@ class ModelRunner:
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                     flip: int, static: bool, last_rows: Optional[dict] = None) -> torch.Tensor:
         if not self._special:
-            # greedy rows under a grammar: their masked logits' argmax; the other rows' logits are
-            # left as they were, so their argmax is the model's (no sampler kernels for anyone)
-            if self._masked_greedy and self.structured.mask_logits(
-                    seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING):
-                return logits.argmax(dim=-1)
+            # greedy rows under a grammar: their masked logits' argmax; the other rows' masks are
+            # all ones, so their argmax is the model's (no sampler kernels for anyone)
+            if self._masked_greedy and self.structured.fill(
+                    seqs, self._pending_reader(last_rows, flip ^ 1), PENDING) is not None:
+                return self._masked_greedy_ids(logits, static)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
         st = self.sampler
@@ -593,32 +601,70 @@ class ModelRunner:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
 
+    def _masked_greedy_ids(self, logits: torch.Tensor, static: bool) -> torch.Tensor:
+        """The argmax of ``logits`` under the bitmask the structured output's last fill wrote. On
+        CUDA one masked argmax (`kernels.argmax.masked_argmax`: the logits are not rewritten);
+        from a decode graph's logits, the bitmask's copy to the device and the argmax are a graph
+        of their own (one launch: the host's time per step is what a grammar step costs), which
+        writes the ids straight into the token pool the next decode step reads."""
+        so = self.structured
+        B = logits.shape[0]
+        if not (self.is_cuda and self.use_triton):
+            so.apply_filled(logits)
+            return logits.argmax(dim=-1)
+        from rosecli.kernels.argmax import masked_argmax
+
+        if not (static and self.use_graphs):
+            ids = masked_argmax(logits, so.stage_bitmask(B))
+            so.mark_read()
+            return ids
+        rows = self.padded_batch(B)  # the graph's whole logits buffer: one capture per graph size
+        full = self.graphs[rows].logits
+        out = self.dev_staging.tokens[:rows]
+        key = ("masked", full.data_ptr(), so.filled_index())
+        bits = so.stage_bitmask(rows)  # (its copy, on the copy stream, is not part of the graph)
+        g = self._sampler_graphs.get(key, False)
+        if g:
+            g.graph.replay()
+        else:
+            masked_argmax(full, bits, out=out)  # this step's answer; loads the kernels
+            if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
+                self._sampler_graphs[key] = self._capture(lambda: masked_argmax(full, bits, out=out))
+        so.mark_read()
+        return out[:B]
+
     def _pending_reader(self, last_rows: Optional[dict], prev_flip: int) -> Callable[[int], int]:
         """request id -> the token the previous decode launch sampled for it (overlap: not read back
         by the scheduler yet); the first call waits for that launch, whose copy was queued before
         this step's forward (once a step, not once a row)."""
         event = self._events[prev_flip]
         sampled = self.np_sampled[prev_flip]
+        values: Optional[list] = None
 
         def read(request_id: int) -> int:
-            nonlocal event
-            if event is not None:
-                event.synchronize()
-                event = None
-            return int(sampled[last_rows[request_id]])
+            nonlocal event, values
+            if values is None:
+                if event is not None:
+                    event.synchronize()
+                values = sampled.tolist()  # (one conversion: a numpy scalar per row costs more)
+            return values[last_rows[request_id]]
 
         return read
 
     def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
         """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
-        sampler's state (counts, steps) is not touched. None if the capture fails (that key then
-        samples eagerly; the failure is logged once)."""
+        sampler's state (counts, steps) is not touched."""
+        return self._capture(lambda: self.sampler.sample(logits, slots).token_ids)
+
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> Optional[_SamplerGraph]:
+        """A graph of ``fn`` (sampling kernels on static buffers) and the ids tensor it returns.
+        None if the capture fails (that key then samples eagerly; the failure is logged once)."""
         try:
             if self._sampler_pool is None:
                 self._sampler_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self._sampler_pool):
-                ids = self.sampler.sample(logits, slots).token_ids
+                ids = fn()
             return _SamplerGraph(graph, ids)
         except Exception as e:  # noqa: BLE001 - eager sampling is always correct
             if not any(v is None for v in self._sampler_graphs.values()):

@@ -145,11 +145,12 @@ def _ebnf_literal(s: str) -> str:
 
 
 class _Request:
-    __slots__ = ("matcher", "accepted", "failed", "ended")
+    __slots__ = ("matcher", "handle", "accepted", "failed", "ended")
 
     def __init__(self, matcher):
         # ended: the matcher accepted its stop token (terminated) or refused a token (failed)
         self.matcher, self.accepted, self.failed, self.ended = matcher, 0, False, False
+        self.handle = getattr(matcher, "_handle", None)
 
 
 class StructuredOutput:
@@ -210,6 +211,8 @@ class StructuredOutput:
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self.threaded_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads) if self.threads > 1 else None
         self._threaded, self._probe_in, self._probe_gap = False, 0, 2
+        core = getattr(getattr(xgr, "matcher", None), "_core", None)
+        self._core_accept = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
         self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
         W = (self.vocab_size + 31) // 32
         pin = self.device.type == "cuda"
@@ -219,7 +222,13 @@ class StructuredOutput:
         self._host_np = [h.numpy() for h in self._host]
         self._written: list[list[int]] = [[], []]
         self._flip = 0
-        self._dev = torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device)
+        # the device copies, one per host bitmask; on CUDA copied on a stream of their own, so the
+        # copy runs beside the decode step's forward instead of after it
+        self._dev = [torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device) for _ in range(2)]
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._read = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._kernel = None
         if self.device.type == "cuda":
             from rosecli.kernels.bitmask import apply_bitmask as kernel
@@ -258,61 +267,116 @@ class StructuredOutput:
         written = self.fill(seqs, pending, pending_id)
         if written is None:
             return False
-        host = self._host[self._flip ^ 1]
+        self.apply_filled(logits, written)
+        return True
+
+    def apply_filled(self, logits: torch.Tensor, written: Optional[list[int]] = None) -> None:
+        """The device half of `mask_logits`: the last fill's bitmask on ``logits``, in place
+        (``written``: the rows it wrote, if known)."""
         B = logits.shape[0]
         if self.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
             # on the CPU the library's own op, on the masked rows only, costs less than the gather below
-            self.xgr.apply_token_bitmask_inplace(logits, host[:B], indices=written)
-            return True
-        d = self._dev[:B]
-        d.copy_(host[:B], non_blocking=self.device.type == "cuda")
+            if written is None:
+                written = [i for i in self._written[self._flip ^ 1] if i < B]
+            self.xgr.apply_token_bitmask_inplace(logits, self.filled_host()[:B], indices=written)
+            return
+        d = self.stage_bitmask(B)
         if self._kernel is not None and logits.stride(1) == 1:
             self._kernel(logits, d)  # one Triton kernel
         else:
             apply_bitmask(logits, d, self._word, self._bit)
-        return True
+        self.mark_read()
+
+    def filled_index(self) -> int:
+        """Which of the two host bitmasks the last `fill` wrote (they alternate)."""
+        return self._flip ^ 1
+
+    def filled_host(self) -> torch.Tensor:
+        """The host bitmask the last `fill` wrote: [max_rows, ceil(V / 32)] int32."""
+        return self._host[self._flip ^ 1]
+
+    def stage_bitmask(self, rows: int) -> torch.Tensor:
+        """Copy the first ``rows`` rows of the last fill's host bitmask to the device and return
+        them there. On CUDA the copy runs on a copy stream, which waits for the last reader of
+        the device buffer (`mark_read`), and the current stream waits for the copy: the copy goes
+        on while the step's forward runs. (The host area is not rewritten until two fills later.)"""
+        x = self._flip ^ 1
+        d = self._dev[x][:rows]
+        host = self._host[x][:rows]
+        side = self._copy_stream
+        if side is None:
+            d.copy_(host)
+            return d
+        side.wait_event(self._read[x])
+        with torch.cuda.stream(side):
+            d.copy_(host, non_blocking=True)
+        self._copied[x].record(side)
+        torch.cuda.current_stream(self.device).wait_event(self._copied[x])
+        return d
+
+    def mark_read(self) -> None:
+        """The kernels reading the last staged bitmask are enqueued (on the current stream): its
+        device buffer may be rewritten once they have run."""
+        if self._read is not None:
+            self._read[self._flip ^ 1].record(torch.cuda.current_stream(self.device))
 
     def fill(self, seqs, pending: Callable[[int], int], pending_id: int) -> Optional[list[int]]:
         """The host half of `mask_logits`: advance the matchers of ``seqs``' grammar rows and fill
         their rows of the next host bitmask (rows of other requests all ones). Returns the rows it
-        wrote (None: no grammar row in ``seqs``)."""
+        wrote (None: no grammar row in ``seqs``).
+
+        A decode step brings each row one new token: those are accepted in one batched call (a
+        Python call per row cost more than the library's work at 64 rows); a row with several
+        new tokens (a resumed request) accepts them one by one."""
         reqs = self._requests
         flip = self._flip
         hn = self._host_np[flip]
         stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
         written: list[int] = []
-        rows: list[int] = []  # the rows to fill, and their matchers
-        matchers: list = []
-        failed: list[int] = []
-        stops = self._stop_set
+        wreqs: list[_Request] = []
+        one: list[_Request] = []  # requests with exactly one new token, and those tokens
+        one_ids: list[int] = []
         for i, s in enumerate(seqs):
             r = reqs.get(s.request_id)
             if r is None:
                 continue
             written.append(i)
-            m = r.matcher
+            wreqs.append(r)
+            if r.ended:
+                continue
             tokens = s.token_ids
             n = len(tokens) - s.num_prompt_tokens
-            if r.accepted < n and not r.ended:
-                # one token in a decode step; one call per token is cheaper than the library's
-                # batched accept at 64 rows
-                new = tokens[-1:] if r.accepted == n - 1 else tokens[s.num_prompt_tokens + r.accepted:]
+            k = n - r.accepted
+            if k == 1:
+                t = tokens[-1]
+                one.append(r)
+                one_ids.append(pending(s.request_id) if t == pending_id else t)
+            elif k > 1:
+                new = tokens[s.num_prompt_tokens + r.accepted:]
                 if new[-1] == pending_id:
                     new[-1] = pending(s.request_id)
                 for t in new:
-                    if not m.accept_token(t):
-                        r.failed = r.ended = True
-                        break
-                    if t in stops and m.is_terminated():  # (only a stop token ends a matcher)
-                        r.ended = True
+                    if not self._accept(r, t):
                         break
             r.accepted = n
+        if one:
+            stops = self._stop_set
+            ok = self._batch_accept(one, one_ids)
+            for r, t, accepted in zip(one, one_ids, ok):
+                if not accepted:
+                    r.failed = r.ended = True
+                elif t in stops and r.matcher.is_terminated():  # (only a stop token ends a matcher)
+                    r.ended = True
+        self._written[flip] = written
+        rows: list[int] = []  # the rows to fill, and their matchers
+        matchers: list = []
+        failed: list[int] = []
+        for i, r in zip(written, wreqs):
             if r.failed:
                 failed.append(i)
             elif not r.ended:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
                 rows.append(i)
-                matchers.append(m)
-        self._written[flip] = written
+                matchers.append(r.matcher)
         if stale:
             if stale != rows:  # (a fill rewrites its rows whole)
                 refilled = set(rows)
@@ -325,6 +389,26 @@ class StructuredOutput:
         if matchers:
             self._fill_rows(matchers, self._host[flip], rows)
         return written
+
+    def _batch_accept(self, reqs: list, tokens: list[int]):
+        """Each request's matcher advanced by its token in one call; whether each was accepted."""
+        core = self._core_accept
+        if core is not None and reqs[0].handle is not None:  # the library's binding, on handles kept per request (its wrapper
+            # builds the handle list and a list of bools per call: a fifth of the call at 64 rows)
+            return core([r.handle for r in reqs], tokens, False)
+        return self.xgr.BatchGrammarMatcher.batch_accept_token([r.matcher for r in reqs], tokens)
+
+    def _accept(self, r: _Request, token: int) -> bool:
+        """Advance one request's matcher by one token; False (and the request ended) when the
+        grammar refused it or it was the stop token that ends the grammar."""
+        m = r.matcher
+        if not m.accept_token(token):
+            r.failed = r.ended = True
+            return False
+        if token in self._stop_set and m.is_terminated():
+            r.ended = True
+            return False
+        return True
 
     def _fill_rows(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
         """One batched fill: on this thread while masks are cheap (the usual case: a JSON

@@ -34,13 +34,16 @@ def argmax_ref(x: torch.Tensor, n_cols: Optional[int] = None) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["n_chunks"])  # (varies with the batch: no recompile per divisibility)
-def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, n_cols, row_stride, n_chunks, CHUNK: tl.constexpr,
-                           STORE: tl.constexpr):
+def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stride, n_cols, row_stride, n_chunks,
+                           CHUNK: tl.constexpr, STORE: tl.constexpr, MASKED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if MASKED:  # a grammar's packed token bitmask: a token whose bit is 0 is -inf (NaN included)
+        words = tl.load(bits_ptr + row * bits_stride + cols // 32, mask=mask, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
     if STORE:  # the row's first n_cols values in float32, contiguous (`logits_argmax`)
         tl.store(out_ptr + row * n_cols + cols, x, mask=mask)
     nan = x != x
@@ -79,22 +82,29 @@ def chunk_for(rows: int, n_cols: int) -> int:
 
 
 def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
-                  out: Optional[torch.Tensor]) -> torch.Tensor:
+                  out: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None,
+                  ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     rows, width = x.shape
     n_cols = width if n_cols is None else n_cols
     if not 0 < n_cols <= width:
         raise ValueError(f"argmax over {n_cols} columns of a tensor {width} wide")
     assert x.stride(1) == 1 or width == 1, "argmax reads contiguous columns"
-    ids = torch.empty(rows, dtype=torch.long, device=x.device)
+    if ids is None:
+        ids = torch.empty(rows, dtype=torch.long, device=x.device)
     if rows == 0:
         return ids
     chunk = chunk or chunk_for(rows, n_cols)
     n_chunks = triton.cdiv(n_cols, chunk)
     vals = torch.empty(rows * n_chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(rows * n_chunks, dtype=torch.int32, device=x.device)
-    _argmax_partial_kernel[(rows, n_chunks)](x, vals, idx, vals if out is None else out, n_cols, x.stride(0),
-                                             n_chunks, CHUNK=chunk, STORE=out is not None,
-                                             num_warps=4 if chunk <= 2048 else 8)
+    masked = bitmask is not None
+    if masked:
+        assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[0] >= rows
+        assert bitmask.shape[1] * 32 >= n_cols, "the bitmask holds fewer columns than the argmax reads"
+    _argmax_partial_kernel[(rows, n_chunks)](x, vals, idx, vals if out is None else out,
+                                             bitmask if masked else vals, bitmask.stride(0) if masked else 0,
+                                             n_cols, x.stride(0), n_chunks, CHUNK=chunk, STORE=out is not None,
+                                             MASKED=masked, num_warps=4 if chunk <= 2048 else 8)
     _argmax_final_kernel[(rows,)](vals, idx, ids, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)),
                                   num_warps=1 if n_chunks <= 128 else 2)
     return ids
@@ -120,3 +130,24 @@ def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None) -
     reference: float16/bfloat16 -> float32 is exact."""
     logits = torch.empty((raw.shape[0], n_cols), dtype=torch.float32, device=raw.device)
     return logits, _split_argmax(raw, n_cols, chunk, logits)
+
+
+MASKED_CHUNK = 2048  # one chunk size for every batch: the masked argmax runs outside the decode graphs,
+# and a chunk per batch size would compile a variant per size in the middle of a run
+
+
+def masked_argmax_ref(x: torch.Tensor, bitmask: torch.Tensor, n_cols: Optional[int] = None) -> torch.Tensor:
+    """`argmax_ref` of ``x`` after a token bitmask set ``x[i, t]`` to -inf where bit ``t % 32`` of
+    ``bitmask[i, t // 32]`` is 0 (the packed int32 layout of xgrammar; `structured.apply_bitmask`)."""
+    from rosecli.engine.structured import apply_bitmask
+
+    x = (x if n_cols is None else x[:, :n_cols]).float().clone()
+    apply_bitmask(x, bitmask[:x.shape[0]])
+    return x.argmax(dim=-1)
+
+
+def masked_argmax(x: torch.Tensor, bitmask: torch.Tensor, n_cols: Optional[int] = None,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`masked_argmax_ref` without writing the mask into ``x``: the bits are read in the argmax's
+    first stage (two launches, ``x`` left as it is). ``out``: int64 [rows] to write the ids into."""
+    return _split_argmax(x, n_cols, MASKED_CHUNK, None, bitmask, out)

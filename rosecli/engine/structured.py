@@ -222,13 +222,7 @@ class StructuredOutput:
         self._host_np = [h.numpy() for h in self._host]
         self._written: list[list[int]] = [[], []]
         self._flip = 0
-        # the device copies, one per host bitmask; on CUDA copied on a stream of their own, so the
-        # copy runs beside the decode step's forward instead of after it
-        self._dev = [torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device) for _ in range(2)]
-        cuda = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._copied = [torch.cuda.Event() for _ in range(2)] if cuda else None
-        self._read = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._dev = torch.full((self.max_rows, W), -1, dtype=torch.int32, device=self.device)
         self._kernel = None
         if self.device.type == "cuda":
             from rosecli.kernels.bitmask import apply_bitmask as kernel
@@ -285,7 +279,6 @@ class StructuredOutput:
             self._kernel(logits, d)  # one Triton kernel
         else:
             apply_bitmask(logits, d, self._word, self._bit)
-        self.mark_read()
 
     def filled_index(self) -> int:
         """Which of the two host bitmasks the last `fill` wrote (they alternate)."""
@@ -296,29 +289,13 @@ class StructuredOutput:
         return self._host[self._flip ^ 1]
 
     def stage_bitmask(self, rows: int) -> torch.Tensor:
-        """Copy the first ``rows`` rows of the last fill's host bitmask to the device and return
-        them there. On CUDA the copy runs on a copy stream, which waits for the last reader of
-        the device buffer (`mark_read`), and the current stream waits for the copy: the copy goes
-        on while the step's forward runs. (The host area is not rewritten until two fills later.)"""
-        x = self._flip ^ 1
-        d = self._dev[x][:rows]
-        host = self._host[x][:rows]
-        side = self._copy_stream
-        if side is None:
-            d.copy_(host)
-            return d
-        side.wait_event(self._read[x])
-        with torch.cuda.stream(side):
-            d.copy_(host, non_blocking=True)
-        self._copied[x].record(side)
-        torch.cuda.current_stream(self.device).wait_event(self._copied[x])
+        """Copy the first ``rows`` rows of the last fill's host bitmask to the device (non-blocking
+        on CUDA: the host area is not rewritten until two fills later) and return them there.
+        (A copy stream of its own, to run the copy beside the forward, cost the host more than the
+        device saved: on the H100 a grammar step is bound by the host.)"""
+        d = self._dev[:rows]
+        d.copy_(self.filled_host()[:rows], non_blocking=self.device.type == "cuda")
         return d
-
-    def mark_read(self) -> None:
-        """The kernels reading the last staged bitmask are enqueued (on the current stream): its
-        device buffer may be rewritten once they have run."""
-        if self._read is not None:
-            self._read[self._flip ^ 1].record(torch.cuda.current_stream(self.device))
 
     def fill(self, seqs, pending: Callable[[int], int], pending_id: int) -> Optional[list[int]]:
         """The host half of `mask_logits`: advance the matchers of ``seqs``' grammar rows and fill
@@ -333,17 +310,24 @@ class StructuredOutput:
         hn = self._host_np[flip]
         stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
         written: list[int] = []
-        wreqs: list[_Request] = []
+        rows: list[int] = []  # the rows to fill (grammar not ended), their requests
+        live: list[_Request] = []
         one: list[_Request] = []  # requests with exactly one new token, and those tokens
         one_ids: list[int] = []
+        failed: list[int] = []  # rows whose request had a token refused: only the stop tokens
+        changed = False  # a request ended (refused token, or its stop token) in this fill
+        get = reqs.get
         for i, s in enumerate(seqs):
-            r = reqs.get(s.request_id)
+            r = get(s.request_id)
             if r is None:
                 continue
             written.append(i)
-            wreqs.append(r)
             if r.ended:
+                if r.failed:
+                    failed.append(i)
                 continue
+            rows.append(i)
+            live.append(r)
             tokens = s.token_ids
             n = len(tokens) - s.num_prompt_tokens
             k = n - r.accepted
@@ -357,26 +341,26 @@ class StructuredOutput:
                     new[-1] = pending(s.request_id)
                 for t in new:
                     if not self._accept(r, t):
+                        changed = True
                         break
             r.accepted = n
         if one:
-            stops = self._stop_set
             ok = self._batch_accept(one, one_ids)
-            for r, t, accepted in zip(one, one_ids, ok):
-                if not accepted:
-                    r.failed = r.ended = True
-                elif t in stops and r.matcher.is_terminated():  # (only a stop token ends a matcher)
-                    r.ended = True
+            if 0 in ok:  # a refused token (rare: the mask allows only what the grammar accepts)
+                changed = True
+                for r, accepted in zip(one, ok):
+                    if not accepted:
+                        r.failed = r.ended = True
+            stops = self._stop_set
+            if not stops.isdisjoint(one_ids):  # (only a stop token ends a matcher)
+                for r, t in zip(one, one_ids):
+                    if t in stops and not r.failed and r.matcher.is_terminated():
+                        r.ended = changed = True
+        if changed:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
+            failed += [i for i, r in zip(rows, live) if r.failed]
+            kept = [(i, r) for i, r in zip(rows, live) if not r.ended]
+            rows, live = [i for i, _ in kept], [r for _, r in kept]
         self._written[flip] = written
-        rows: list[int] = []  # the rows to fill, and their matchers
-        matchers: list = []
-        failed: list[int] = []
-        for i, r in zip(written, wreqs):
-            if r.failed:
-                failed.append(i)
-            elif not r.ended:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
-                rows.append(i)
-                matchers.append(r.matcher)
         if stale:
             if stale != rows:  # (a fill rewrites its rows whole)
                 refilled = set(rows)
@@ -386,8 +370,8 @@ class StructuredOutput:
         self._flip ^= 1
         if failed:
             hn[failed] = self._only_eos  # a token the grammar refused: end the request
-        if matchers:
-            self._fill_rows(matchers, self._host[flip], rows)
+        if live:
+            self._fill_rows(live, self._host[flip], rows)
         return written
 
     def _batch_accept(self, reqs: list, tokens: list[int]):
@@ -410,9 +394,10 @@ class StructuredOutput:
             return False
         return True
 
-    def _fill_rows(self, matchers: list, host: torch.Tensor, rows: list[int]) -> None:
-        """One batched fill: on this thread while masks are cheap (the usual case: a JSON
-        structure's states take a few microseconds a row, less than waking threads costs), on the
+    def _fill_rows(self, reqs: list, host: torch.Tensor, rows: list[int]) -> None:
+        """One batched fill of ``reqs``' matchers into ``rows`` of ``host``: on this thread while
+        masks are cheap (the usual case: a JSON structure's states take a few microseconds a row,
+        less than waking threads costs), on the
         library's threads after a fill on one took longer than THREADED_ABOVE_S (large context-
         dependent token sets, e.g. inside strings with a maxLength). While threaded, a fill now
         and then runs on one thread again to see (after 2 steps, then 4, 8... up to PROBE_MAX
@@ -425,7 +410,12 @@ class StructuredOutput:
             probe = self._probe_in <= 0
             threaded = not probe
         t = time.perf_counter()
-        (self.threaded_matcher if threaded else self.batch_matcher).batch_fill_next_token_bitmask(matchers, host, rows)
+        bm = self.threaded_matcher if threaded else self.batch_matcher
+        handle = getattr(bm, "_handle", None)
+        if handle is not None and reqs[0].handle is not None:  # (the wrapper rebuilds the handle list)
+            handle.batch_fill_next_token_bitmask([r.handle for r in reqs], host, rows, False)
+        else:
+            bm.batch_fill_next_token_bitmask([r.matcher for r in reqs], host, rows)
         took = time.perf_counter() - t
         if threaded:
             self._threaded = took >= SERIAL_BELOW_S

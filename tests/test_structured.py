@@ -172,7 +172,7 @@ def test_cli_bad_grammar_is_one_line(cache_dir, tmp_path, args, message):
 
 
 @pytest.mark.gpu
-def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory):
+def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory, monkeypatch):
     """On CUDA: decode graphs, the sampler's captured graph and overlap scheduling, with grammar
     rows masked eagerly on the static logits buffer; free rows beside them unchanged."""
     engine = tiny_engine_factory(device="cuda", max_batch_size=16)
@@ -197,7 +197,14 @@ def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory):
     biased = SamplingParams(max_new_tokens=300, temperature=0.0, structured=spec, logit_bias={0: 0.0})
     via_sampler = engine.generate([f"{i} g" for i in range(6)], [biased] * 6)
     assert [o.token_ids for o in via_sampler] == [o.token_ids for o in g_alone]
-    assert any(k[0] == "masked" for k in engine.runner._sampler_graphs)
+    # the bitmask copied inside the masked graph, and on a copy stream beside the forward
+    import rosecli.engine.runner as runner_mod
+
+    for aside in (False, True):
+        monkeypatch.setattr(runner_mod, "MASK_COPY_ASIDE", aside)
+        again = engine.generate([f"{i} g" for i in range(6)], [greedy(spec)] * 6)
+        assert [o.token_ids for o in again] == [o.token_ids for o in g_alone]
+        assert any(k[2] is aside for k in engine.runner._masked_replays)
 
 
 def test_device_mask_op_matches_the_library():

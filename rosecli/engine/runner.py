@@ -130,6 +130,7 @@ class _SamplerGraph:
         self.graph, self.ids = graph, ids
 
 
+MASK_COPY_ASIDE: Optional[bool] = None  # a grammar bitmask's copy on a copy stream: None = when device-bound
 MAX_SAMPLER_GRAPHS = 256  # (batch, variant) pairs captured at most; beyond, the sampler runs eagerly
 
 
@@ -176,7 +177,8 @@ class ModelRunner:
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
         self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}
         # (batch, host bitmask index) -> a masked-argmax graph and the ids it writes (`_masked_greedy_ids`)
-        self._masked_replays: dict[tuple[int, int], tuple] = {}
+        self._masked_replays: dict[tuple[int, int, bool], tuple] = {}
+        self._device_bound = False  # the last `_pending_reader` found the step before still running
         self._sampler_pool = None
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
         self.startup_times: dict[str, float] = {}
@@ -618,24 +620,26 @@ class ModelRunner:
 
         if not (static and self.use_graphs):
             return masked_argmax(logits, so.stage_bitmask(B))
-        hit = self._masked_replays.get((B, so.filled_index()))
+        # the bitmask's copy: inside the graph (one launch) while the host bounds the step; on a copy
+        # stream beside the forward when the device does (the host found the step before still running)
+        aside = self._device_bound if MASK_COPY_ASIDE is None else MASK_COPY_ASIDE
+        key = (B, so.filled_index(), aside)
+        hit = self._masked_replays.get(key)
         if hit is not None:  # (the usual step: one lookup and one replay)
-            hit[0].replay()
-            return hit[1]
+            graph, ids, rows = hit
+            if aside:
+                so.stage_bitmask(rows, aside=True)
+            graph.replay()
+            return ids
         rows = self.padded_batch(B)  # the graph's whole logits buffer: one capture per graph size
         full = self.graphs[rows].logits
         out = self.dev_staging.tokens[:rows]
-        key = ("masked", full.data_ptr(), so.filled_index())
-        g = self._sampler_graphs.get(key, False)
-        if g:
-            g.graph.replay()
-        else:
-            masked_argmax(full, so.stage_bitmask(rows), out=out)  # this step's answer; loads the kernels
-            if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
-                g = self._sampler_graphs[key] = self._capture(
-                    lambda: masked_argmax(full, so.stage_bitmask(rows), out=out))
-        if g:
-            self._masked_replays[(B, so.filled_index())] = (g.graph, out[:B])
+        bits = so.stage_bitmask(rows, aside=aside)
+        masked_argmax(full, bits, out=out)  # this step's answer; loads the kernels
+        if len(self._masked_replays) < MAX_SAMPLER_GRAPHS:
+            g = self._capture(lambda: masked_argmax(full, bits if aside else so.stage_bitmask(rows), out=out))
+            if g is not None:
+                self._masked_replays[key] = (g.graph, out[:B], rows)
         return out[:B]
 
     def _pending_reader(self, last_rows: Optional[dict], prev_flip: int) -> Callable[[int], int]:
@@ -646,10 +650,13 @@ class ModelRunner:
         sampled = self.np_sampled[prev_flip]
         values: Optional[list] = None
 
+        self._device_bound = False
+
         def read(request_id: int) -> int:
             nonlocal event, values
             if values is None:
                 if event is not None:
+                    self._device_bound = not event.query()  # (the host is ahead: the device bounds the step)
                     event.synchronize()
                 values = sampled.tolist()  # (one conversion: a numpy scalar per row costs more)
             return values[last_rows[request_id]]

@@ -106,13 +106,11 @@ class DecodeLaunch:
     """A decode step launched on the device; `ModelRunner.collect` returns its sampled ids and
     fills ``logprobs`` {request id: `TokenLogprobs`} for the requests that asked."""
 
-    __slots__ = ("seqs", "out", "event", "lp", "logprobs", "finish")
+    __slots__ = ("seqs", "out", "event", "lp", "logprobs")
 
     def __init__(self, seqs, out, event, lp=None):
         self.seqs, self.out, self.event, self.lp = seqs, out, event, lp
         self.logprobs: Optional[dict[int, TokenLogprobs]] = None  # (no dict per step when nobody asks)
-        # a deferred sampling (`ModelRunner._defer_masked`): enqueues it, returns (out, event, lp)
-        self.finish: Optional[Callable[[], tuple]] = None
 
 
 def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
@@ -181,7 +179,6 @@ class ModelRunner:
         # (batch, host bitmask index) -> a masked-argmax graph and the ids it writes (`_masked_greedy_ids`)
         self._masked_replays: dict[tuple[int, int, bool], tuple] = {}
         self._device_bound = False  # the last `_pending_reader` found the step before still running
-        self._deferred: Optional[DecodeLaunch] = None  # a launch whose sampling is not enqueued yet
         self._sampler_pool = None
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
         self.startup_times: dict[str, float] = {}
@@ -499,9 +496,6 @@ class ModelRunner:
         self.decode_sequences += batch
         self.decode_context_tokens += ctx_total
         self._launch_rows, self._next_launch_rows = launch_rows, last_rows
-        if self._deferred is not None:  # the last launch's sampling: its ids are this forward's inputs
-            with stages.range("sampling", len(self._deferred.seqs)):
-                self._complete_deferred()
         with stages.range("h2d_copy", rows):
             self._copy_decode_inputs(host, rows)
         with stages.range("decode_forward", rows):
@@ -511,11 +505,6 @@ class ModelRunner:
             else:
                 logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            finish = self._defer_masked(seqs, logits, flip, graph is not None, last_rows)
-            if finish is not None:
-                launch = self._deferred = DecodeLaunch(seqs, None, None)
-                launch.finish = finish
-                return launch
             ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows)
             if ids_dev is not greedy and ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
@@ -526,48 +515,8 @@ class ModelRunner:
         since start-up: two snapshots' difference is what the steps between them read."""
         return self.decode_steps, self.decode_sequences, self.decode_context_tokens
 
-    def _defer_masked(self, seqs: list[Sequence], logits: torch.Tensor, flip: int, static: bool,
-                      last_rows: dict) -> Optional[Callable[[], tuple]]:
-        """A batch whose only special rows are greedy rows under a grammar: advance the grammar
-        by the last step's tokens on the accept thread (`StructuredOutput.submit`: the library's
-        call releases the GIL) and leave the mask fill and the masked argmax to when the sampled
-        ids are first needed: the next launch's forward, or `collect`. The engine's thread goes on
-        meanwhile with the last step's outputs and the next step's inputs, while the device runs
-        this step's forward. Returns what enqueues the sampling, or None (sample now)."""
-        so = self.structured
-        if self._special or not self._masked_greedy or self._logprob_ids or so is None:
-            return None
-        slots = self._slots
-        for s in seqs:
-            if s.request_id not in slots:  # (its first sampled token takes its slot: `_sample`)
-                return None
-        job = so.begin(seqs, self._pending_reader(last_rows, flip ^ 1), PENDING)
-        if job is None:
-            return None
-        so.submit(job)
-        batch = len(seqs)
-
-        def finish() -> tuple:
-            so.finish(job)
-            ids = self._masked_greedy_ids(logits, static)
-            if ids.data_ptr() != self.dev_staging.tokens.data_ptr():
-                self.dev_staging.tokens[:batch].copy_(ids)
-            return self._fetch(ids, batch, flip)
-
-        return finish
-
-    def _complete_deferred(self) -> None:
-        """Enqueue the deferred sampling of the last launch (`_defer_masked`), if there is one."""
-        launch, self._deferred = self._deferred, None
-        if launch is not None and launch.finish is not None:
-            finish, launch.finish = launch.finish, None
-            launch.out, launch.event, launch.lp = finish()
-
     def collect(self, launch: DecodeLaunch) -> list[int]:
         """Wait for a launched decode step and return its sampled ids, one per sequence."""
-        if launch.finish is not None:
-            with self.stages.range("sampling", len(launch.seqs)):
-                self._complete_deferred()
         with self.stages.range("d2h_copy", len(launch.seqs)):
             if launch.event is not None:
                 launch.event.synchronize()
@@ -586,7 +535,6 @@ class ModelRunner:
         --decode-step``). Replays the launch's CUDA graph unless ``eager`` or none was captured;
         returns whether it replayed one. The same inputs write the same KV and the same greedy ids,
         so greedy requests go on unchanged; sampled ones must be discarded afterwards."""
-        self._complete_deferred()
         graph = None if eager else self.graphs.get(self.padded_batch(batch))
         if graph is not None:
             graph.graph.replay()
@@ -878,9 +826,6 @@ class ModelRunner:
             self.structured.release(seq.request_id)
 
     def close(self) -> None:
-        self._deferred = None
-        if self.structured is not None:
-            self.structured.close()
         self.graphs.clear()
         self._sampler_graphs.clear()
         self._masked_replays.clear()

@@ -153,23 +153,6 @@ class _Request:
         self.handle = getattr(matcher, "_handle", None)
 
 
-class _FillJob:
-    """One fill between `StructuredOutput.begin` and `finish`: the rows written, those to fill and
-    their requests, the one-new-token requests and tokens for the batched accept, its result."""
-
-    __slots__ = ("written", "rows", "live", "one", "one_ids", "failed", "changed", "ok", "error", "submitted")
-
-    def __init__(self):
-        self.written: list[int] = []
-        self.rows: list[int] = []
-        self.live: list[_Request] = []
-        self.one: list[_Request] = []
-        self.one_ids: list[int] = []
-        self.failed: list[int] = []
-        self.changed = self.submitted = False
-        self.ok = self.error = None
-
-
 class StructuredOutput:
     """Grammars for one engine: compile (cached), one matcher per request, the batch's mask."""
 
@@ -185,10 +168,6 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}
         self.max_rows = max_rows
-        # the accept thread (`submit`): started on first use
-        self._worker: Optional[threading.Thread] = None
-        self._job: Optional[_FillJob] = None
-        self._go, self._started, self._done = threading.Event(), threading.Event(), threading.Event()
 
     # --- compile --------------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec):
@@ -339,22 +318,22 @@ class StructuredOutput:
     def fill(self, seqs, pending: Callable[[int], int], pending_id: int) -> Optional[list[int]]:
         """The host half of `mask_logits`: advance the matchers of ``seqs``' grammar rows and fill
         their rows of the next host bitmask (rows of other requests all ones). Returns the rows it
-        wrote (None: no grammar row in ``seqs``). `begin`, the batched accept and `finish` in turn."""
-        job = self.begin(seqs, pending, pending_id)
-        if job is None:
-            return None
-        if job.one:
-            job.ok = self._batch_accept(job.one, job.one_ids)
-        return self.finish(job)
+        wrote (None: no grammar row in ``seqs``).
 
-    def begin(self, seqs, pending: Callable[[int], int], pending_id: int) -> Optional["_FillJob"]:
-        """A fill's first part, on the caller's thread: one pass over the batch. A decode step
-        brings each grammar row one new token: those are left for one batched accept (`fill`
-        makes it, or `submit` on the accept thread); a row with several new tokens (a resumed
-        request) accepts them here one by one. None when ``seqs`` holds no grammar row."""
+        A decode step brings each row one new token: those are accepted in one batched call (a
+        Python call per row cost more than the library's work at 64 rows); a row with several
+        new tokens (a resumed request) accepts them one by one."""
         reqs = self._requests
-        job = _FillJob()
-        written, rows, live, one, one_ids, failed = job.written, job.rows, job.live, job.one, job.one_ids, job.failed
+        flip = self._flip
+        hn = self._host_np[flip]
+        stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
+        written: list[int] = []
+        rows: list[int] = []  # the rows to fill (grammar not ended), their requests
+        live: list[_Request] = []
+        one: list[_Request] = []  # requests with exactly one new token, and those tokens
+        one_ids: list[int] = []
+        failed: list[int] = []  # rows whose request had a token refused: only the stop tokens
+        changed = False  # a request ended (refused token, or its stop token) in this fill
         get = reqs.get
         for i, s in enumerate(seqs):
             r = get(s.request_id)
@@ -380,31 +359,13 @@ class StructuredOutput:
                     new[-1] = pending(s.request_id)
                 for t in new:
                     if not self._accept(r, t):
-                        job.changed = True
+                        changed = True
                         break
             r.accepted = n
-        if not written:
-            flip = self._flip
-            stale, self._written[flip] = self._written[flip], []
-            if stale:
-                self._host_np[flip][stale] = -1
-            return None
-        return job
-
-    def finish(self, job: "_FillJob") -> list[int]:
-        """A fill's last part, on the caller's thread, after the batched accept (waited for if
-        it runs on the accept thread): ended and refused rows, then the batched mask fill.
-        Returns the rows written."""
-        if job.submitted:
-            self._done.wait()
-            self._done.clear()
-            if job.error is not None:
-                raise job.error
-        written, rows, live, one, one_ids, failed = job.written, job.rows, job.live, job.one, job.one_ids, job.failed
         if one:
-            ok = job.ok
+            ok = self._batch_accept(one, one_ids)
             if 0 in ok:  # a refused token (rare: the mask allows only what the grammar accepts)
-                job.changed = True
+                changed = True
                 for r, accepted in zip(one, ok):
                     if not accepted:
                         r.failed = r.ended = True
@@ -412,64 +373,24 @@ class StructuredOutput:
             if not stops.isdisjoint(one_ids):  # (only a stop token ends a matcher)
                 for r, t in zip(one, one_ids):
                     if t in stops and not r.failed and r.matcher.is_terminated():
-                        r.ended = job.changed = True
-        if job.changed:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
+                        r.ended = changed = True
+        if changed:  # (ended: its stop token was sampled; the row's token is dropped: all ones)
             failed += [i for i, r in zip(rows, live) if r.failed]
             kept = [(i, r) for i, r in zip(rows, live) if not r.ended]
             rows, live = [i for i, _ in kept], [r for _, r in kept]
-        flip = self._flip
-        hn = self._host_np[flip]
-        stale = self._written[flip]  # rows this area masked last time: all ones again unless refilled
         self._written[flip] = written
-        if stale and stale != rows:  # (a fill rewrites its rows whole)
-            refilled = set(rows)
-            hn[[i for i in stale if i not in refilled]] = -1
+        if stale:
+            if stale != rows:  # (a fill rewrites its rows whole)
+                refilled = set(rows)
+                hn[[i for i in stale if i not in refilled]] = -1
+        if not written:
+            return None
         self._flip ^= 1
         if failed:
             hn[failed] = self._only_eos  # a token the grammar refused: end the request
         if live:
             self._fill_rows(live, self._host[flip], rows)
         return written
-
-    # --- the accept thread ----------------------------------------------------------------------
-    def submit(self, job: "_FillJob") -> None:
-        """Run ``job``'s batched accept on the accept thread (its library call releases the GIL,
-        so it runs beside whatever Python the caller does next, until `finish`). Returns once the
-        thread is inside the call: a thread woken while the caller keeps the GIL would otherwise
-        wait for the interpreter's switch interval (5 ms)."""
-        if not job.one:
-            return
-        if self._worker is None:
-            self._worker = threading.Thread(target=self._accept_loop, name="rose-grammar-accept", daemon=True)
-            self._worker.start()
-        job.submitted = True
-        self._job = job
-        self._go.set()
-        self._started.wait()
-        self._started.clear()
-
-    def _accept_loop(self) -> None:
-        while True:
-            self._go.wait()
-            self._go.clear()
-            job, self._job = self._job, None
-            if job is None:  # `close`
-                self._started.set()
-                return
-            self._started.set()
-            try:
-                job.ok = self._batch_accept(job.one, job.one_ids)
-            except BaseException as e:  # noqa: BLE001 - raised again by `finish`, on the engine's thread
-                job.error = e
-            self._done.set()
-
-    def close(self) -> None:
-        """Stop the accept thread (if it was started)."""
-        if self._worker is not None:
-            self._job = None
-            self._go.set()
-            self._worker.join(timeout=5)
-            self._worker = None
 
     def _batch_accept(self, reqs: list, tokens: list[int]):
         """Each request's matcher advanced by its token in one call; whether each was accepted."""

@@ -179,6 +179,7 @@ class ModelRunner:
         # (batch, host bitmask index) -> a masked-argmax graph and the ids it writes (`_masked_greedy_ids`)
         self._masked_replays: dict[tuple[int, int, bool], tuple] = {}
         self._device_bound = False  # the last `_pending_reader` found the step before still running
+        self._stream: Optional[torch.cuda.Stream] = None  # the stream the steps run on (`_fetch`)
         self._sampler_pool = None
         self.graph_sizes: list[int] = graph_batch_sizes(self.max_batch_size) if self.use_graphs else []
         self.startup_times: dict[str, float] = {}
@@ -716,7 +717,9 @@ class ModelRunner:
             host.copy_(packed, non_blocking=True)
             lp = (rows, ks, host)
         event = self._events[flip]
-        event.record()
+        if self._stream is None:  # (`record()` looks the current stream up: ~30 us of a step's host time)
+            self._stream = torch.cuda.current_stream(self.device)
+        event.record(self._stream)
         return self.np_sampled[flip], event, lp
 
     def _execute_prefill(self, plan: StepPlan) -> list[Optional[int]]:
@@ -826,6 +829,8 @@ class ModelRunner:
             self.structured.release(seq.request_id)
 
     def close(self) -> None:
+        if self.structured is not None:
+            self.structured.close()
         self.graphs.clear()
         self._sampler_graphs.clear()
         self._masked_replays.clear()

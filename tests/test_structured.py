@@ -374,28 +374,3 @@ def test_batched_accept_refusals_stops_and_resumed_rows(engine):
     finally:
         for rid in rows:
             so.release(rid)
-
-
-def test_a_fill_split_over_two_threads_gives_the_same_masks(tiny_engine_factory, monkeypatch):
-    """ROSE_GRAMMAR_FILL_SPLIT: a batched fill of that many rows or more runs half on a fill
-    thread, half on the engine's; the greedy tokens are those of the fill on one thread, the
-    outputs valid, and closing the engine stops the thread. A bad value is one clear error."""
-    spec = GrammarSpec.json_schema(PERSON)
-    prompts = [f"{i} s" for i in range(6)]
-    monkeypatch.setenv("ROSE_GRAMMAR_FILL_SPLIT", "0")
-    serial = tiny_engine_factory(overlap_schedule=True)
-    want = [o.token_ids for o in serial.generate(prompts, [greedy(spec)] * 6)]
-    assert serial.structured.split_rows == 0
-    monkeypatch.setenv("ROSE_GRAMMAR_FILL_SPLIT", "2")
-    split = tiny_engine_factory(overlap_schedule=True)
-    outs = split.generate(prompts, [greedy(spec)] * 6)
-    assert [o.token_ids for o in outs] == want
-    for o in outs:
-        jsonschema.validate(json.loads(o.text), PERSON)
-    thread = split.structured._split_thread
-    assert thread is not None and thread.is_alive()
-    split.close()
-    assert not thread.is_alive()
-    monkeypatch.setenv("ROSE_GRAMMAR_FILL_SPLIT", "many")
-    with pytest.raises(ConfigError, match="ROSE_GRAMMAR_FILL_SPLIT must be a whole number"):
-        tiny_engine_factory(overlap_schedule=True)

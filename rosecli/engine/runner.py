@@ -829,8 +829,6 @@ class ModelRunner:
             self.structured.release(seq.request_id)
 
     def close(self) -> None:
-        if self.structured is not None:
-            self.structured.close()
         self.graphs.clear()
         self._sampler_graphs.clear()
         self._masked_replays.clear()

@@ -34,14 +34,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from rosecli.engine.errors import ConfigError, RequestError
+from rosecli.engine.errors import RequestError
 
 INSTALL_HINT = "structured output needs the xgrammar library: install rosecli[structured] (pip install xgrammar)"
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_CACHED = 256  # compiled grammars kept (least recently used dropped)
 THREADED_ABOVE_S = 300e-6  # a batch fill that took longer on one thread: the next one runs on several
 SERIAL_BELOW_S = 100e-6  # one that took less on several threads: the next one runs on one
-SPLIT_ROWS = 32  # a fill of this many rows or more is split over two threads (`_fill_rows`)
 PROBE_MAX = 64  # while threaded, at most this many steps between fills run on one thread again (to see)
 
 # JSON Schema keywords the grammar cannot enforce: a schema using one is refused, not half-obeyed
@@ -51,19 +50,6 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
                "unevaluatedItems")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ConfigError(f"{name} must be a whole number of rows >= 0 (0: never), got {raw!r}")
-    return value
 
 
 def available() -> bool:
@@ -182,7 +168,6 @@ class StructuredOutput:
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}
         self.max_rows = max_rows
-        self.split_rows = _env_int("ROSE_GRAMMAR_FILL_SPLIT", SPLIT_ROWS if (os.cpu_count() or 1) >= 4 else 0)
 
     # --- compile --------------------------------------------------------------------------------
     def compile(self, spec: GrammarSpec):
@@ -226,16 +211,6 @@ class StructuredOutput:
         self.batch_matcher = xgr.BatchGrammarMatcher(max_threads=1)
         self.threaded_matcher = xgr.BatchGrammarMatcher(max_threads=self.threads) if self.threads > 1 else None
         self._threaded, self._probe_in, self._probe_gap = False, 0, 2
-        # a fill of at least split_rows rows runs half on a fill thread of ours, half on the engine's
-        # thread (both in the library's call, without the GIL): the library's own threads cost more
-        # than they saved at these sizes (measured on the H100's host). 0: never.
-        self._split_go, self._split_done = threading.Event(), threading.Event()
-        self._split_job = self._split_error = None
-        self._split_thread: Optional[threading.Thread] = None
-        if self.split_rows:
-            self._split_thread = threading.Thread(target=self._split_loop, args=(xgr.BatchGrammarMatcher(max_threads=1),),
-                                                  name="rose-grammar-fill", daemon=True)
-            self._split_thread.start()
         core = getattr(getattr(xgr, "matcher", None), "_core", None)
         self._core_accept = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
         self.xgr, self.compiler = xgr, xgr.GrammarCompiler(info, max_threads=self.threads, cache_enabled=False)
@@ -261,27 +236,6 @@ class StructuredOutput:
         for t in self.eos_token_ids:
             only_eos[t // 32] |= np.uint32(1 << (t % 32))
         self._only_eos = only_eos.view(np.int32)  # a row that allows the stop tokens only
-
-    def _split_loop(self, bm) -> None:
-        while True:
-            self._split_go.wait()
-            self._split_go.clear()
-            job, self._split_job = self._split_job, None
-            if job is None:  # `close`
-                return
-            try:
-                _fill_call(bm, *job)
-            except BaseException as e:  # noqa: BLE001 - raised again on the engine's thread
-                self._split_error = e
-            self._split_done.set()
-
-    def close(self) -> None:
-        """Stop the fill thread, if there is one."""
-        t, self._split_thread = getattr(self, "_split_thread", None), None
-        if t is not None:
-            self._split_job = None
-            self._split_go.set()
-            t.join(timeout=5)
 
     # --- requests -------------------------------------------------------------------------------
     def add(self, request_id: int, spec: GrammarSpec) -> None:
@@ -475,23 +429,12 @@ class StructuredOutput:
             probe = self._probe_in <= 0
             threaded = not probe
         t = time.perf_counter()
-        n = len(reqs)
-        if threaded:
-            _fill_call(self.threaded_matcher, reqs, host, rows)
-        elif self.split_rows and n >= self.split_rows:  # half the rows on the fill thread, half here
-            h = n // 2
-            self._split_job = (reqs[h:], host, rows[h:])
-            self._split_go.set()
-            try:
-                _fill_call(self.batch_matcher, reqs[:h], host, rows[:h])
-            finally:
-                self._split_done.wait()
-                self._split_done.clear()
-            if self._split_error is not None:
-                e, self._split_error = self._split_error, None
-                raise e
+        bm = self.threaded_matcher if threaded else self.batch_matcher
+        handle = getattr(bm, "_handle", None)
+        if handle is not None and reqs[0].handle is not None:  # (the wrapper rebuilds the handle list)
+            handle.batch_fill_next_token_bitmask([r.handle for r in reqs], host, rows, False)
         else:
-            _fill_call(self.batch_matcher, reqs, host, rows)
+            bm.batch_fill_next_token_bitmask([r.matcher for r in reqs], host, rows)
         took = time.perf_counter() - t
         if threaded:
             self._threaded = took >= SERIAL_BELOW_S
@@ -500,16 +443,6 @@ class StructuredOutput:
             self._threaded, self._probe_in = True, self._probe_gap
         else:
             self._threaded = False
-
-
-def _fill_call(bm, reqs: list, host: torch.Tensor, rows: list[int]) -> None:
-    """``bm.batch_fill_next_token_bitmask`` for ``reqs``' matchers (the library's call releases
-    the GIL while it fills)."""
-    handle = getattr(bm, "_handle", None)
-    if handle is not None and reqs[0].handle is not None:  # (the wrapper rebuilds the handle list)
-        handle.batch_fill_next_token_bitmask([r.handle for r in reqs], host, rows, False)
-    else:
-        bm.batch_fill_next_token_bitmask([r.matcher for r in reqs], host, rows)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, word: Optional[torch.Tensor] = None,

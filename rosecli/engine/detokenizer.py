@@ -32,6 +32,7 @@ SmolLM2 tokenizer 49,152 entries) are dropped on arrival: ``decode`` gives them 
 from __future__ import annotations
 
 import codecs
+import re
 import weakref
 from typing import Iterable, Optional
 
@@ -88,7 +89,8 @@ def _byte_level_table(tokenizer) -> Optional[list]:
     decoder = getattr(backend, "decoder", None)
     if (decoder is not None and type(decoder).__name__ == "ByteLevel"
             and not getattr(tokenizer, "clean_up_tokenization_spaces", False)):
-        to_byte = {c: b for b, c in _bytes_to_unicode().items()}
+        to_byte = {ord(c): b for b, c in _bytes_to_unicode().items()}  # str.translate's map: char -> byte
+        not_byte_level = re.compile("[^" + "".join(re.escape(chr(c)) for c in to_byte) + "]")
         added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
         table = [b""] * len(tokenizer)
         for token, i in backend.get_vocab(with_added_tokens=True).items():
@@ -96,8 +98,8 @@ def _byte_level_table(tokenizer) -> Optional[list]:
                 continue
             if i in added:
                 table[i] = added[i].encode("utf-8")
-            elif all(c in to_byte for c in token):
-                table[i] = bytes(to_byte[c] for c in token)
+            elif not_byte_level.search(token) is None:  # translate + latin-1: each char's byte, in C
+                table[i] = token.translate(to_byte).encode("latin-1")
             else:  # not a byte-level vocabulary after all
                 table = None
                 break

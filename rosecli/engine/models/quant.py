@@ -210,6 +210,8 @@ def q8_blocks(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tens
     best = (amax / 127).half().float()
     found = amax == 0
     for k in range(127, 119, -1):
+        if found.all():  # every group's d found (a Q8_0 weight: usually all at k = 127); the rest change nothing
+            break
         d = (amax / k).half().float()
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round(w / safe[..., None])

@@ -9,8 +9,9 @@ request, and, in a sampling step whose batch holds grammar requests, fills their
 int32 bitmask on the host (one batched call, multi-threaded only while masks are expensive),
 copies it to the device in one non-blocking copy and masks the whole batch's logits there with one
 kernel (rows of other requests are all ones: their logits are left as they were). Greedy grammar
-requests then take the masked logits' argmax (in the runner); the others go through the sampler. A step whose batch holds no grammar
-request does none of this: the runner does not call in.
+requests instead take one masked argmax, which reads the bitmask itself (in the runner); the others
+go through the sampler. A step whose batch holds no grammar request does none of this: the runner
+does not call in. A step's new tokens are accepted in one batched call of the library.
 
 Each matcher is advanced with every token its request samples, before the next mask is filled.
 Under overlap scheduling the next step is launched before the host has read the previous step's
@@ -396,8 +397,9 @@ class StructuredOutput:
     def _batch_accept(self, reqs: list, tokens: list[int]):
         """Each request's matcher advanced by its token in one call; whether each was accepted."""
         core = self._core_accept
-        if core is not None and reqs[0].handle is not None:  # the library's binding, on handles kept per request (its wrapper
-            # builds the handle list and a list of bools per call: a fifth of the call at 64 rows)
+        if core is not None and reqs[0].handle is not None:
+            # the library's binding, on handles kept per request (its wrapper builds the handle list
+            # and a list of bools per call: a fifth of the call at 64 rows)
             return core([r.handle for r in reqs], tokens, False)
         return self.xgr.BatchGrammarMatcher.batch_accept_token([r.matcher for r in reqs], tokens)
 
@@ -416,12 +418,11 @@ class StructuredOutput:
     def _fill_rows(self, reqs: list, host: torch.Tensor, rows: list[int]) -> None:
         """One batched fill of ``reqs``' matchers into ``rows`` of ``host``: on this thread while
         masks are cheap (the usual case: a JSON structure's states take a few microseconds a row,
-        less than waking threads costs), on the
-        library's threads after a fill on one took longer than THREADED_ABOVE_S (large context-
-        dependent token sets, e.g. inside strings with a maxLength). While threaded, a fill now
-        and then runs on one thread again to see (after 2 steps, then 4, 8... up to PROBE_MAX
-        while it stays expensive); one that takes less than SERIAL_BELOW_S on the threads also
-        ends it."""
+        less than waking threads costs), on the library's threads after a fill on one took longer
+        than THREADED_ABOVE_S (large context-dependent token sets, e.g. inside strings with a
+        maxLength). While threaded, a fill now and then runs on one thread again to see (after 2
+        steps, then 4, 8... up to PROBE_MAX while it stays expensive); one that takes less than
+        SERIAL_BELOW_S on the threads also ends it."""
         threaded = self._threaded and self.threaded_matcher is not None
         probe = False
         if threaded:

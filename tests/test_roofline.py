@@ -224,6 +224,7 @@ def test_decode_step_shares_by_kind_add_up_with_the_gaps():
                ("Memcpy DtoD (Device -> Device)", 1, 2.0)]
     assert [kernel_category(k[0]) for k in kernels] == ["gemm", "attention", "norm/rotary/activation", "sampling",
                                                          "norm/rotary/activation", "other"]
+    assert kernel_category("_skinny_kernel") == "gemm"  # decode's linear layers (`kernels.skinny_gemm`)
     shares = DecodeStepProfile(1, 128, True, 125.0, kernels).shares()
     assert shares == pytest.approx({"gemm": 60 / 125, "attention": 20 / 125, "norm/rotary/activation": 13 / 125,
                                     "sampling": 5 / 125, "other": 2 / 125, "gaps": 25 / 125})

@@ -117,7 +117,7 @@ class DecodeStepProfile:
 KERNEL_CATEGORIES = {
     "sampling": r"argmax|arg_max|ArgMax|sampl|topk|top_k|_pass1_kernel|_pivot_kernel|_compact_kernel|_finish_kernel",
     "attention": r"attention|attn|_decode_kernel|_merge_kernel|_prefill_kernel|flash|fmha|_store_kv|sdpa",
-    "gemm": r"gemm|gemv|xmma|cutlass|cublas|nvjet|matmul|splitK|wgmma|Kernel2\b",
+    "gemm": r"gemm|gemv|_skinny_kernel|xmma|cutlass|cublas|nvjet|matmul|splitK|wgmma|Kernel2\b",
     # torch's elementwise kernels (the unfused rotary's multiplies and adds, casts) count here
     "norm/rotary/activation": r"norm|rotary|rope|silu|gelu|elementwise|roll",
 }

@@ -96,3 +96,43 @@ def capped_splits(row: DecodeLaunch, max_context_len: int, block_size: int = 1) 
     A tile covers whole KV blocks (the kernel widens a tile below ``block_size`` to one block)."""
     return max(1, min(row.splits, math.ceil(max_context_len / max(row.min_split_tokens, row.tile, block_size))))
 
+
+# --- skinny linear layers (decode's 1-64 rows; `kernels.skinny_gemm`) --------------------------
+class SkinnyLaunch(NamedTuple):
+    block_n: int      # output columns per program
+    block_k: int      # K per inner iteration
+    split_k: int      # programs sharing one tile's K (1: none; >1 adds the partials in one kernel)
+    num_warps: int
+    num_stages: int
+
+
+# Measured on the H100 (torch 2.11, triton 3.6) with `python scripts/bench_skinny.py --sweep`: each layer
+# shape of GPT-2, SmolLM2-135M (fp16), Llama-3.2-1B, Qwen2.5-1.5B and Llama-3-8B (bf16) at 1 and 64 rows, a
+# CUDA graph of one call per weight copy (past the L2 cache). One row: vector products won every shape,
+# 1.04-1.98x cuBLAS (its epilogue kernel counted), best with 4 columns per program and 512-wide K steps
+# (256 below K=1024 or for the 16k-28k-row gate/up projections). 64 rows: tensor-core tiles won for the
+# small models' layers (1.07-1.27x) and for fused gate/up + SiLU (1.07-1.13x; the separate SiLU kernel is
+# saved), though in Qwen2.5-1.5B's whole decode step (K=1536) the gate/up measured 1% slower, so it and the
+# 1B-8B shapes' other layers (-3..+6% of cuBLAS alone) keep cuBLAS.
+SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows
+
+
+def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch | None":
+    """The launch of `skinny_gemm.skinny_linear` for ``rows`` x [n outputs, k] (``swiglu``: n outputs of a
+    [2n, k] gate/up weight), or None where cuBLAS measured as fast or faster."""
+    size = n * k * (2 if swiglu else 1)
+    if rows == 1:
+        if size > (16 << 20):
+            return SkinnyLaunch(4, 256, 1, 4, 3)
+        return SkinnyLaunch(4, 512 if k >= 1024 or k % 512 == 0 else 256, 1, 2, 4)
+    if swiglu:
+        if size <= SMALL_LAYER:
+            return SkinnyLaunch(16, 128, 1, 2, 3)
+        return SkinnyLaunch(32, 128, 1, 4, 3) if k >= 2048 else None
+    if size > SMALL_LAYER:
+        return None
+    if k >= 3072:
+        return SkinnyLaunch(32, 256, 4, 4, 3)
+    if k >= 1536 and n <= 1024:
+        return SkinnyLaunch(16, 256, 1, 4, 4)
+    return SkinnyLaunch(32, 256, 1, 4, 3) if n >= 2048 else SkinnyLaunch(16, 128, 1, 4, 4)

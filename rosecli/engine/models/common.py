@@ -11,6 +11,7 @@ so CPU results are unchanged bit for bit.
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterable, NamedTuple, Optional
 
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
-from rosecli.kernels import activation, norm
+from rosecli.kernels import activation, norm, skinny_gemm
+from rosecli.kernels.launch_table import skinny_launch
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -127,24 +129,60 @@ def add_norm(layer: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]
     return layer(s), s
 
 
+SKINNY_GEMM = os.environ.get("ROSE_SKINNY_GEMM", "1") != "0"  # decode's few rows through `skinny_gemm`
+
+
+def _skinny_device(x: torch.Tensor) -> bool:
+    return x.is_cuda  # (the CPU has its own paths; tests interpret the kernel on CPU tensors)
+
+
+def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False, gelu: bool = False,
+            swiglu: bool = False) -> Optional[torch.Tensor]:
+    """`skinny_gemm.skinny_linear` of a plain ``nn.Linear`` (``fused``: a decode step with the fused ops,
+    which CUDA graphs replay without a Triton launch's host time; on CUDA, at most 64 rows, a shape the
+    launch table gives to it), or None: the caller runs its cuBLAS path."""
+    if not (fused and SKINNY_GEMM and _skinny_device(x) and type(linear) is nn.Linear
+            and skinny_gemm.supported(x, linear.weight)):
+        return None
+    n = linear.weight.shape[0] // 2 if swiglu else linear.weight.shape[0]
+    launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
+    if launch is None:
+        return None
+    return skinny_gemm.skinny_linear(x, linear.weight, linear.bias if bias else None, gelu, launch, swiglu)
+
+
+def fused_linear(layer: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``layer(x)``; fused, a decode step's rows in one `skinny_gemm` kernel where it is faster than cuBLAS."""
+    y = _skinny(layer, x, fused, bias=True)
+    return layer(x) if y is None else y
+
+
 def linear_deferring_bias(linear: nn.Module, x: torch.Tensor,
                           fused: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Fused: ``(x @ W^T, bias)``, the bias left for the next `add_norm`; else ``(linear(x), None)``."""
     if fused and isinstance(linear, nn.Linear) and linear.bias is not None:
-        return F.linear(x, linear.weight), linear.bias
-    return linear(x), None
+        y = _skinny(linear, x, fused)
+        return F.linear(x, linear.weight) if y is None else y, linear.bias
+    return fused_linear(linear, x, fused), None
 
 
 def linear_gelu(linear: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
-    """``gelu_tanh(linear(x))``; fused, the bias is added inside the activation kernel."""
+    """``gelu_tanh(linear(x))``; fused, the bias is added inside the activation kernel (or the GEMM's)."""
     if fused and isinstance(linear, nn.Linear) and linear.bias is not None:
-        return activation.bias_gelu(F.linear(x, linear.weight), linear.bias)
+        y = _skinny(linear, x, fused, bias=True, gelu=True)
+        return activation.bias_gelu(F.linear(x, linear.weight), linear.bias) if y is None else y
     return F.gelu(linear(x), approximate="tanh")
 
 
 def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     """``silu(gate) * up`` of a fused [N, 2F] gate/up projection."""
     return activation.silu_mul(gate_up) if fused else activation.silu_mul_ref(gate_up)
+
+
+def gate_up_silu(gate_up_proj: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up_proj(x)``; fused, in the GEMM's epilogue where that is faster."""
+    y = _skinny(gate_up_proj, x, fused, swiglu=True) if gate_up_proj.bias is None else None
+    return silu_mul(gate_up_proj(x), fused) if y is None else y
 
 
 class RotaryEmbedding(nn.Module):

@@ -13,8 +13,8 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, logits_gemm, output_embedding_module, output_linear,
-                                           output_logits, padded_output_rows, silu_mul)
+                                           copy_weight, fused_linear, gate_up_silu, logits_gemm,
+                                           output_embedding_module, output_linear, output_logits, padded_output_rows)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels import rotary
 
@@ -82,7 +82,7 @@ class LlamaLayer(nn.Module):
         qk_size = self.q_size + self.kv_size
         fused = meta.fused_ops
         h, residual = add_norm(self.input_layernorm, x, residual, fused)
-        qkv = self.qkv_proj(h)
+        qkv = fused_linear(self.qkv_proj, h, fused)
         stored = rope.positions is not None
         if stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
@@ -100,9 +100,9 @@ class LlamaLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
             q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
             k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
-        o = self.o_proj(self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored))
+        o = fused_linear(self.o_proj, self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored), fused)
         h, residual = add_norm(self.post_attention_layernorm, o, residual, fused)
-        return self.down_proj(silu_mul(self.gate_up_proj(h), fused)), residual
+        return fused_linear(self.down_proj, gate_up_silu(self.gate_up_proj, h, fused), fused), residual
 
 
 class LlamaForCausalLM(nn.Module):

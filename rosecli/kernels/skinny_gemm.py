@@ -1,0 +1,188 @@
+"""Linear layers for decode's few rows: ``y = x @ W^T (+ bias) (-> gelu_tanh | silu(gate) * up)``
+in one kernel.
+
+A decode step multiplies 1-64 rows by each weight matrix. cuBLAS picks split-K kernels plus a
+reduce kernel for some of these shapes, and an epilogue (bias + GELU, SiLU(gate) * up) is another
+elementwise kernel;
+at GPT-2's and SmolLM2's sizes each kernel is a few microseconds, mostly fixed cost, so a step's time
+follows its kernel count. Here each output tile is one program that streams its rows of ``W`` once
+(the weights are what a decode step reads) and applies the epilogue before the store:
+
+- one row (``M == 1``): vector products (no tensor cores), ``BLOCK_N`` output columns per program;
+- several rows: ``tl.dot`` on tiles of ``BLOCK_M`` rows (16 at least; padding rows are masked).
+- ``SPLIT_K`` > 1 (few output columns, long rows): the programs of one tile each take a share of ``K``
+  and write float32 partials; the last of them to finish (an atomic ticket) adds the partials in
+  split order, so the result does not depend on which finished first, and re-arms the ticket.
+
+The float arithmetic is float32; the product is rounded to the output dtype once with the bias
+added (as cuBLAS's bias epilogue does), and before the GELU as `activation.bias_gelu` after an
+unbiased GEMM does; SiLU(gate) * up rounds as `activation.silu_mul` after the GEMM does.
+``skinny_linear_ref`` is the torch reference. The models take this path in CUDA-graph decode steps only
+(`models.common.fused_linear`), where a Triton launch's host time is not paid per replay; set
+``ROSE_SKINNY_GEMM=0`` to keep cuBLAS there (before/after measurements). Launch choices are plain lookups
+(`launch_table.skinny_launch`), measured on the H100 with ``scripts/bench_skinny.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from rosecli.kernels import activation
+from rosecli.kernels.activation import _tanh
+from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+
+MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                      gelu: bool = False, swiglu: bool = False) -> torch.Tensor:
+    """x: [M, K], weight: [N, K], bias: [N] -> [M, N] in x's dtype: ``linear`` then GELU (tanh), or
+    ``silu(gate) * up`` of a fused [2F, K] gate/up weight (``swiglu``, [M, F])."""
+    if swiglu:
+        return activation.silu_mul_ref(F.linear(x, weight))
+    if gelu:
+        y = F.linear(x, weight)
+        return F.gelu(y if bias is None else y + bias, approximate="tanh")
+    return F.linear(x, weight, bias)
+
+
+@triton.jit
+def _silu(g):
+    e = tl.exp(-tl.abs(g))  # sigmoid without overflow, as `activation.silu_mul`
+    return g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                   SWIGLU: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    nmask = rn < N
+    mmask = rm < M
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    up_off = N.to(tl.int64) * stride_wn  # SWIGLU: the up rows follow the N gate rows
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+    # USE_DOT: [BLOCK_M, BLOCK_N] tiles; one row: [BLOCK_N, BLOCK_K] products summed after the loop
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        kmask = (k + rk) < k_hi
+        wmask = nmask[:, None] & kmask[None, :]
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=wmask, other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)  # x: [1, BLOCK_K] broadcast over the rows of w
+        if SWIGLU:
+            wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
+            if USE_DOT:
+                acc_u += tl.dot(x, tl.trans(wu))
+            else:
+                acc_u += wu.to(tl.float32) * x.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N))
+        acc_u = tl.reshape(tl.sum(acc_u, axis=1), (1, BLOCK_N))
+    out_mask = mmask[:, None] & nmask[None, :]
+    if SPLIT_K > 1:
+        # float32 partials [SPLIT_K (x2 with SWIGLU), M, N]; the tile's last program adds them in split order
+        tile = pid_m * tl.num_programs(0) + pid_n
+        p_ptrs = part_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(p_ptrs + split * M * N, acc, mask=out_mask)
+        if SWIGLU:
+            tl.store(p_ptrs + (SPLIT_K + split) * M * N, acc_u, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial written before the ticket is taken
+        ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
+        last = ticket == SPLIT_K - 1
+        out_mask = out_mask & (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + ticket == SPLIT_K - 1)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            acc += tl.load(p_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if SWIGLU:
+                acc_u += tl.load(p_ptrs + (SPLIT_K + s) * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+        tl.store(ticket_ptr + tile, 0, mask=last)  # re-armed for the next launch (graphs replay the buffer)
+    dt = y_ptr.dtype.element_ty
+    if HAS_BIAS:
+        b = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+        if GELU:
+            acc = acc.to(dt).to(tl.float32) + b[None, :]
+        else:
+            acc = acc + b[None, :]
+    y = acc.to(dt).to(tl.float32)
+    if GELU:
+        y = 0.5 * y * (1.0 + _tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+    if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
+        y = _silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
+
+
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 tickets for split-K (zero between launches; made once, never shrunk, so a
+    captured graph keeps pointing at a live buffer)."""
+    buf = _tickets.get(device)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K ticket buffer grown during graph capture")
+        buf = torch.zeros(max(tiles, 65536), dtype=torch.int32, device=device)
+        _tickets[device] = buf
+    return buf
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `skinny_linear` takes these operands (else use `skinny_linear_ref`/cuBLAS)."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and x.stride(1) == 1 and x.shape[1] == weight.shape[1])
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                  gelu: bool = False, launch: Optional[SkinnyLaunch] = None, swiglu: bool = False) -> torch.Tensor:
+    """`skinny_linear_ref` in one launch for ``x`` of at most `MAX_ROWS` rows (`supported`). ``swiglu``:
+    ``weight`` is a fused [2F, K] gate/up projection and the result is ``silu(gate) * up``, [M, F]."""
+    M, K = x.shape
+    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    assert not (swiglu and (gelu or bias is not None)), "swiglu takes no bias or gelu"
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
+    use_dot = M > 1
+    block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
+    split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)
+    grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m), split)
+    if split > 1 and _tickets.get(x.device) is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        split, k_per_split = 1, K  # (no ticket buffer yet, and none can be made while a graph is captured)
+        grid = grid[:2] + (1,)
+    if split > 1:
+        part = torch.empty((2 * split if swiglu else split, M, N), dtype=torch.float32, device=x.device)
+        ticket = _ticket_buffer(x.device, grid[0] * grid[1])
+    else:
+        part = ticket = y
+    _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket, M, N, K, x.stride(0),
+                         weight.stride(0), y.stride(0), k_per_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                         BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot, HAS_BIAS=bias is not None,
+                         GELU=gelu, SWIGLU=swiglu, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return y

@@ -1,0 +1,126 @@
+"""Decode's linear layers on the GPU: cuBLAS (as the models call it today) against `kernels.skinny_gemm`.
+
+For each layer shape of the named models and each row count, times a CUDA graph of one call per copy
+of the weights (enough copies to read past the L2 cache, as a decode step's layers do), so the time
+per call includes the gaps between kernels in a graph. Prints, per shape: cuBLAS (with its epilogue
+kernel where the model has one), the current launch table's choice, and the best config found by a
+sweep, in `launch_table.SkinnyLaunch` form.
+
+    python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+
+import torch
+
+from rosecli.kernels import activation
+from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
+
+# name -> dtype, [(layer, N, K, bias, activation: True = GELU (tanh), "swiglu" = silu(gate) * up)]
+SHAPES = {
+    "gpt2": (torch.float16, [("c_attn", 2304, 768, True, False), ("attn_proj", 768, 768, False, False),
+                             ("c_fc", 3072, 768, True, True), ("mlp_proj", 768, 3072, False, False)]),
+    "smollm2": (torch.float16, [("qkv", 960, 576, False, False), ("o", 576, 576, False, False),
+                                ("gate_up", 3072, 576, False, "swiglu"), ("down", 576, 1536, False, False)]),
+    "llama1b": (torch.bfloat16, [("qkv", 3072, 2048, False, False), ("o", 2048, 2048, False, False),
+                                 ("gate_up", 16384, 2048, False, "swiglu"), ("down", 2048, 8192, False, False)]),
+    "qwen1.5b": (torch.bfloat16, [("qkv", 2048, 1536, True, False), ("o", 1536, 1536, False, False),
+                                  ("gate_up", 17920, 1536, False, "swiglu"), ("down", 1536, 8960, False, False)]),
+    "llama8b": (torch.bfloat16, [("qkv", 6144, 4096, False, False), ("o", 4096, 4096, False, False),
+                                 ("gate_up", 28672, 4096, False, "swiglu"), ("down", 4096, 14336, False, False)]),
+}
+
+
+def graph_time_us(fns, reps: int = 30) -> float:
+    """Per call: a CUDA graph of ``fns`` (one call each) replayed ``reps`` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / reps / len(fns))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--models", nargs="+", default=list(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also search launch configs")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for model in a.models:
+        dtype, layers = SHAPES[model]
+        for name, N, K, has_bias, act in layers:
+            gelu, swiglu = act is True, act == "swiglu"
+            copies = max(2, min(24, math.ceil(160e6 / (N * K * 2))))
+            ws = [torch.randn(N, K, device=dev, dtype=dtype) / K ** 0.5 for _ in range(copies)]
+            b = torch.randn(N, device=dev, dtype=dtype) if has_bias else None
+            for M in a.rows:
+                x = torch.randn(M, K, device=dev, dtype=dtype)
+                if swiglu:
+                    ref_fns = [lambda w=w: activation.silu_mul(torch.nn.functional.linear(x, w)) for w in ws]
+                elif gelu:
+                    ref_fns = [lambda w=w: activation.bias_gelu(torch.nn.functional.linear(x, w), b) for w in ws]
+                else:
+                    ref_fns = [lambda w=w: torch.nn.functional.linear(x, w, b) for w in ws]
+                t_ref = graph_time_us(ref_fns)
+                ref = skinny_linear_ref(x.double(), ws[0].double(), None if b is None else b.double(), gelu, swiglu)
+                err = (skinny_linear(x, ws[0], b, gelu, swiglu=swiglu).double() - ref).abs().max().item()
+
+                def t_of(cfg):
+                    try:
+                        return graph_time_us([lambda w=w: skinny_linear(x, w, b, gelu, cfg, swiglu) for w in ws])
+                    except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                        torch.cuda.synchronize()
+                        return math.inf
+
+                cfg0 = skinny_launch(M, N // 2 if swiglu else N, K)
+                t0 = t_of(cfg0)
+                line = (f"{model:9s} {name:9s} M={M:<3d} N={N:<6d} K={K:<6d} cublas {t_ref:7.2f} us | table {t0:7.2f} us "
+                        f"({t_ref / t0:4.2f}x) {tuple(cfg0)} err {err:.1e} | floor {N * K * 2 / 3.05e6:6.2f} us")
+                if a.sweep:
+                    bns = (4, 8, 16, 32) if M == 1 else (16, 32, 64)
+                    bks = (128, 256, 512) if M == 1 else (64, 128, 256)
+                    found = []
+                    for bn, bk, sp in itertools.product(bns, bks, (1, 2, 4, 8)):
+                        if sp > 1 and K // sp < bk:
+                            continue
+                        cfg = SkinnyLaunch(bn, bk, sp, 4, 3)
+                        found.append((t_of(cfg), cfg))
+                    found.sort()
+                    for _, c in found[:2]:
+                        for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5)):
+                            cfg = c._replace(num_warps=nw, num_stages=ns)
+                            found.append((t_of(cfg), cfg))
+                    found.sort()
+                    tb, cb = found[0]
+                    line += f" | best {tb:7.2f} us ({t_ref / tb:4.2f}x) {tuple(cb)}"
+                print(line, flush=True)
+            del ws
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Decode's linear layers in one kernel (`kernels.skinny_gemm`) against float64 products: every epilogue
+(bias, GELU, SiLU(gate) * up), one row and several, split-K; the launch table; the models' wiring; and
+on the GPU whole fp16 models with the kernel against the same models on cuBLAS."""
+
+import pytest
+import torch
+from torch import nn
+
+from rosecli.kernels import skinny_gemm
+from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+MODES = ["plain", "bias", "gelu", "swiglu"]
+
+
+def _case(rows, n, k, mode, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(device, dtype)
+    w = (torch.randn(2 * n if mode == "swiglu" else n, k, generator=g) / k ** 0.5).to(device, dtype)
+    b = torch.randn(n, generator=g).to(device, dtype) if mode in ("bias", "gelu") else None
+    return x, w, b
+
+
+def _err(got, x, w, b, mode):
+    """Largest error against the float64 reference, and the torch path's own (rounded to the dtype)."""
+    kw = dict(gelu=mode == "gelu", swiglu=mode == "swiglu")
+    exact = skinny_linear_ref(x.double(), w.double(), None if b is None else b.double(), **kw)
+    torch_path = skinny_linear_ref(x.float(), w.float(), None if b is None else b.float(), **kw).to(x.dtype)
+    return (got.double() - exact).abs().max().item(), (torch_path.double() - exact).abs().max().item()
+
+
+SHAPES = [
+    (1, 96, 576, None),  # the table's one-row launch (K steps past the end of K)
+    (1, 40, 1000, SkinnyLaunch(4, 128, 3, 2, 2)),  # one row, split-K, uneven K
+    (5, 80, 160, None),  # tensor-core tiles, padding rows
+    (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # two row tiles, split-K
+    (64, 48, 512, SkinnyLaunch(32, 128, 1, 4, 3)),  # a column tile past N
+]
+# (the Triton interpreter's tl.dot misreads bfloat16 operands: bfloat16 tiles are checked on the GPU)
+CASES = [(device, dtype, *shape) for device in DEVICES for dtype in (torch.float16, torch.bfloat16)
+         for shape in SHAPES if device == "cuda" or dtype == torch.float16 or shape[0] == 1]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("device,dtype,rows,n,k,launch", CASES)
+def test_skinny_linear_matches_float64(device, dtype, mode, rows, n, k, launch):
+    x, w, b = _case(rows, n, k, mode, dtype, device, seed=rows * n + k)
+    got = skinny_linear(x, w, b, mode == "gelu", launch, swiglu=mode == "swiglu")
+    assert got.shape == (rows, n) and got.dtype == dtype
+    err, torch_err = _err(got, x, w, b, mode)
+    # float32 sums in another order, then the same roundings as the torch path: its error, give or take an ulp
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    assert err <= 2 * torch_err + 4 * ulp, (err, torch_err)
+
+
+def test_split_k_is_deterministic_and_rearms_its_tickets():
+    x, w, b = _case(3, 64, 1024, "bias", torch.float16, "cpu", seed=7)
+    launch = SkinnyLaunch(16, 64, 8, 4, 2)
+    first = skinny_linear(x, w, b, launch=launch)
+    assert int(skinny_gemm._tickets[x.device].abs().sum()) == 0  # ready for the next launch (or graph replay)
+    for _ in range(2):
+        assert torch.equal(skinny_linear(x, w, b, launch=launch), first)
+    assert not torch.equal(skinny_linear(x, w, None, launch=launch), first)
+
+
+def test_supported_refuses_what_the_kernel_does_not_take():
+    w = torch.randn(32, 64, dtype=torch.float16)
+    assert skinny_gemm.supported(torch.randn(4, 64, dtype=torch.float16), w)
+    assert not skinny_gemm.supported(torch.randn(65, 64, dtype=torch.float16), w)  # a prefill's rows
+    assert not skinny_gemm.supported(torch.randn(4, 64), w.float())  # float32
+    assert not skinny_gemm.supported(torch.randn(4, 64, dtype=torch.bfloat16), w)  # mixed dtypes
+    assert not skinny_gemm.supported(torch.randn(64, 4, dtype=torch.float16).t(), w)  # strided rows
+    assert not skinny_gemm.supported(torch.randn(4, 48, dtype=torch.float16), w)  # another K
+
+
+@pytest.mark.parametrize("n,k,swiglu,big", [
+    (2304, 768, False, False), (768, 3072, False, False), (1536, 576, True, False),  # GPT-2, SmolLM2
+    (3072, 2048, False, True), (2048, 8192, False, True), (8192, 2048, True, True),  # Llama-3.2-1B
+    (14336, 4096, True, True), (4096, 14336, False, True),  # Llama-3-8B
+    (8960, 1536, True, True),  # Qwen2.5-1.5B's gate/up
+])
+def test_launch_table(n, k, swiglu, big):
+    """One row always takes the kernel; 2-64 rows of the 1B-8B layers stay on cuBLAS (measured no faster)
+    except the fused gate/up from K=2048 (it also saves the SiLU kernel)."""
+    for rows in (1, 2, 7, 16, 33, 64):
+        cfg = skinny_launch(rows, n, k, swiglu)
+        if rows > 1 and big and (not swiglu or k < 2048):
+            assert cfg is None
+            continue
+        assert cfg is not None and cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0
+        assert (cfg.block_n >= 16 and cfg.block_k >= 16) or rows == 1  # tensor-core tiles need 16
+
+
+def test_models_route_decode_rows_through_the_kernel(monkeypatch):
+    """The models' helpers with fused ops: the same results as their torch paths, the kernel really run
+    (gate rows before up rows, the bias added once, GELU after it) and 65 rows left to torch."""
+    from rosecli.engine.models import common
+
+    monkeypatch.setattr(common, "_skinny_device", lambda x: True)
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    torch.manual_seed(0)
+    half = dict(dtype=torch.float16)
+    qkv, proj = nn.Linear(64, 96, **half), nn.Linear(96, 64, **half)
+    fc, gate_up = nn.Linear(64, 128, **half), nn.Linear(64, 2 * 80, bias=False, **half)
+    down = nn.Linear(80, 64, bias=False, **half)
+    for rows in (1, 6):
+        x = torch.randn(rows, 64, **half)
+        h = torch.randn(rows, 96, **half)
+        close = dict(atol=4e-3, rtol=4e-3)
+        torch.testing.assert_close(common.fused_linear(qkv, x, True), qkv(x), **close)
+        y, bias = common.linear_deferring_bias(proj, h, True)
+        torch.testing.assert_close(y + bias, proj(h), **close)
+        torch.testing.assert_close(common.linear_gelu(fc, x, True), common.linear_gelu(fc, x, False), **close)
+        torch.testing.assert_close(common.gate_up_silu(gate_up, x, True),
+                                   common.silu_mul(gate_up(x), False), **close)
+        d = torch.randn(rows, 80, **half)
+        torch.testing.assert_close(common.fused_linear(down, d, True), down(d), **close)
+    assert len(calls) == 2 * 5
+    calls.clear()
+    assert common.fused_linear(qkv, torch.randn(65, 64, **half), True).shape == (65, 96) and not calls
+    assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("tokens", [1, 23])
+def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(kind, tokens, monkeypatch):
+    """A whole fp16 decode step (fused ops, as CUDA-graph decode runs them) with decode's linear layers on the
+    kernel: the same logits as on cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the
+    same greedy token per row."""
+    from engine_utils import our_model, tiny_hf_model
+    from rosecli.engine.attention import AttentionMetadata
+    from rosecli.engine.models import common
+
+    hf = tiny_hf_model(kind, seed=5)
+    model = our_model(hf).cuda().half()
+    ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def logits():  # a decode step: `tokens` sequences of one token each (position 0)
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(tokens, attn.num_kv_heads, 16, attn.head_dim, device="cuda",
+                                       dtype=torch.float16)
+            attn.v_cache = torch.zeros_like(attn.k_cache)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.arange(tokens, device="cuda") * 16,
+                                 block_tables=torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None],
+                                 context_lens=torch.ones(tokens, dtype=torch.int32, device="cuda"),
+                                 max_context_len=1, use_triton=True, fused_ops=True)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids.cuda(), torch.zeros(tokens, dtype=torch.long, device="cuda"),
+                                              meta)).cpu()
+
+    on = logits()
+    assert calls  # the kernel ran
+    monkeypatch.setattr(common, "SKINNY_GEMM", False)
+    calls.clear()
+    off = logits()
+    assert not calls
+    with torch.inference_mode():
+        want = hf(ids[:, None]).logits[:, 0].float()
+    assert _rel(on, off) < 2e-3 and _rel(on, want) < 2 * _rel(off, want) + 1e-3
+    assert torch.equal(on.argmax(-1), off.argmax(-1))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

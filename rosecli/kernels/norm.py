@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from rosecli.kernels.paged_decode import use_pdl
 
 
 def add_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -33,7 +36,9 @@ def add_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
 @triton.jit
 def _add_norm_kernel(x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, D, eps, x_stride, r_stride,
                      HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next kernel may launch now (a linear layer's, which fetches its weights meanwhile)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -74,5 +79,5 @@ def add_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Te
         x, x if x_bias is None else x_bias, x if residual is None else residual, weight,
         weight if bias is None else bias, out, total, d, eps, x.stride(0),
         0 if residual is None else residual.stride(0), HAS_XB=x_bias is not None, HAS_RES=residual is not None,
-        HAS_BIAS=bias is not None, RMS=rms, BLOCK=block, num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+        HAS_BIAS=bias is not None, RMS=rms, BLOCK=block, PDL=use_pdl(x.device), num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
     return out, total

@@ -125,8 +125,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    kv_heads, group, num_splits, window, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    if PDL:  # the merge may launch now: it waits for this whole grid to end before it reads
-        gdc_launch_dependents()
+    if PDL:  # the next kernel (the merge, or the output projection's) may launch now: it waits on the device
+        gdc_launch_dependents()  # for this whole grid to end before it reads
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
     if HAS_WINDOW:  # the first token attended: tiles wholly before it are not read
@@ -181,6 +181,7 @@ def _merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, out_stride_b, out_stride_h, n
                   HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # launched early (see `use_pdl`): wait until the decode kernel has ended and its writes are visible
         gdc_wait()
+        gdc_launch_dependents()  # (and the next kernel, the output projection's, may fetch its weights)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
@@ -227,14 +228,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
-    pdl = splits > 1 and use_pdl(q.device)
+    pdl = splits > 1 and use_pdl(q.device)  # the merge launched early
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits,
         window or NO_WINDOW, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
-        USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=pdl,
-        HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=use_pdl(q.device), HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl,

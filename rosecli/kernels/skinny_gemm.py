@@ -25,6 +25,7 @@ unbiased GEMM does; SiLU(gate) * up rounds as `activation.silu_mul` after the GE
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -34,9 +35,13 @@ import triton.language as tl
 
 from rosecli.kernels import activation
 from rosecli.kernels.activation import _tanh
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.paged_decode import use_pdl
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
+PDL = os.environ.get("ROSE_SKINNY_PDL", "1") != "0"  # programmatic dependent launch on Hopper (`use_pdl`)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -57,11 +62,13 @@ def _silu(g):
     return g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "k_per_split"])  # (one variant for every batch: start-up compiles fewer)
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                   SWIGLU: tl.constexpr, NUM_STAGES: tl.constexpr):
+                   SWIGLU: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,7 +89,26 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, st
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+    # the first K tile of the weights, which no kernel before writes: with PDL, fetched while that kernel ends
+    kmask = (k_lo + rk) < k_hi
+    wmask = nmask[:, None] & kmask[None, :]
+    w = tl.load(w_ptrs, mask=wmask, other=0.0)
+    if SWIGLU:
+        wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
+    if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
+        gdc_wait()
+    x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    if USE_DOT:
+        acc += tl.dot(x, tl.trans(w))
+        if SWIGLU:
+            acc_u += tl.dot(x, tl.trans(wu))
+    else:
+        acc += w.to(tl.float32) * x.to(tl.float32)
+        if SWIGLU:
+            acc_u += wu.to(tl.float32) * x.to(tl.float32)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
@@ -168,7 +194,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
     use_dot = M > 1
-    block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
+    block_m = 1 if not use_dot else (16 if M <= 16 else MAX_ROWS)  # (few variants: each is compiled at start-up)
     split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per_split)
@@ -176,6 +202,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if split > 1 and _tickets.get(x.device) is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         split, k_per_split = 1, K  # (no ticket buffer yet, and none can be made while a graph is captured)
         grid = grid[:2] + (1,)
+    pdl = PDL and use_pdl(x.device)
     if split > 1:
         part = torch.empty((2 * split if swiglu else split, M, N), dtype=torch.float32, device=x.device)
         ticket = _ticket_buffer(x.device, grid[0] * grid[1])
@@ -184,5 +211,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket, M, N, K, x.stride(0),
                          weight.stride(0), y.stride(0), k_per_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
                          BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot, HAS_BIAS=bias is not None,
-                         GELU=gelu, SWIGLU=swiglu, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+                         GELU=gelu, SWIGLU=swiglu, NUM_STAGES=cfg.num_stages, PDL=pdl, num_warps=cfg.num_warps,
+                         launch_pdl=pdl)
     return y

@@ -34,7 +34,7 @@ SHAPES = [
     (1, 96, 576, None),  # the table's one-row launch (K steps past the end of K)
     (1, 40, 1000, SkinnyLaunch(4, 128, 3, 2, 2)),  # one row, split-K, uneven K
     (5, 80, 160, None),  # tensor-core tiles, padding rows
-    (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # a 64-row tile, split-K
+    (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # a 32-row tile, split-K
     (64, 48, 512, SkinnyLaunch(32, 128, 1, 4, 3)),  # a column tile past N
 ]
 # (the Triton interpreter's tl.dot misreads bfloat16 operands: bfloat16 tiles are checked on the GPU)

@@ -62,7 +62,7 @@ def _silu(g):
     return g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])  # (one variant for every batch: start-up compiles fewer)
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
@@ -194,7 +194,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
     use_dot = M > 1
-    block_m = 1 if not use_dot else (16 if M <= 16 else MAX_ROWS)  # (few variants: each is compiled at start-up)
+    block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
     split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per_split)

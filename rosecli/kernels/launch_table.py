@@ -111,10 +111,11 @@ class SkinnyLaunch(NamedTuple):
 # CUDA graph of one call per weight copy (past the L2 cache). One row: vector products won every shape,
 # 1.04-1.98x cuBLAS (its epilogue kernel counted), best with 4 columns per program and 512-wide K steps
 # (256 below K=1024 or for the 16k-28k-row gate/up projections). 64 rows: tensor-core tiles won for the
-# small models' layers (1.07-1.27x) and for fused gate/up + SiLU (1.07-1.13x; the separate SiLU kernel is
-# saved), though in Qwen2.5-1.5B's whole decode step (K=1536) the gate/up measured 1% slower, so it and the
-# 1B-8B shapes' other layers (-3..+6% of cuBLAS alone) keep cuBLAS.
-SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows
+# small models' layers (1.07-1.27x). Alone, the 1B-8B shapes' fused gate/up + SiLU also won (1.07-1.13x),
+# but inside whole decode steps at 64 rows it measured 2% faster for Llama-3.2-1B, 1% slower for
+# Qwen2.5-1.5B and 3% slower for Llama-3-8B: they keep cuBLAS at 2-64 rows, as do their other layers
+# (-3..+6% of cuBLAS alone).
+SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows (x2 gate/up)
 
 
 def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch | None":
@@ -125,12 +126,10 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
         if size > (16 << 20):
             return SkinnyLaunch(4, 256, 1, 4, 3)
         return SkinnyLaunch(4, 512 if k >= 1024 or k % 512 == 0 else 256, 1, 2, 4)
-    if swiglu:
-        if size <= SMALL_LAYER:
-            return SkinnyLaunch(16, 128, 1, 2, 3)
-        return SkinnyLaunch(32, 128, 1, 4, 3) if k >= 2048 else None
     if size > SMALL_LAYER:
         return None
+    if swiglu:
+        return SkinnyLaunch(16, 128, 1, 2, 3)
     if k >= 3072:
         return SkinnyLaunch(32, 256, 4, 4, 3)
     if k >= 1536 and n <= 1024:

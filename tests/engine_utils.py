@@ -53,3 +53,8 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def rel_err(a, b) -> float:
+    """Relative error of ``a`` against ``b`` (Frobenius norms, in float64)."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

@@ -4,14 +4,12 @@ TRITON_INTERPRET, and on the GPU), and whole models on CUDA (which use them) aga
 import pytest
 import torch
 
+from engine_utils import rel_err
 from rosecli.kernels.activation import bias_gelu, bias_gelu_ref, silu_mul, silu_mul_ref
 from rosecli.kernels.norm import add_norm, add_norm_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -30,7 +28,7 @@ def test_add_norm_matches_reference(device, dtype, tol, rows, dim):
                 normed, total = add_norm(x, res, w, None if rms else b, 1e-5, x_bias, rms)
                 want_normed, want_total = add_norm_ref(x, res, w, None if rms else b, 1e-5, x_bias, rms)
                 assert normed.dtype == dtype and total.shape == (rows, dim)
-                assert _rel(total, want_total) < tol and _rel(normed, want_normed) < 4 * tol, (rms, res is None)
+                assert rel_err(total, want_total) < tol and rel_err(normed, want_normed) < 4 * tol, (rms, res is None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -40,10 +38,10 @@ def test_activations_match_reference(device, dtype, tol, rows, width):
     g = torch.Generator().manual_seed(rows + width)
     x = (torch.randn(rows, width, generator=g) * 3).to(device, dtype)
     bias = torch.randn(width, generator=g).to(device, dtype)
-    assert _rel(bias_gelu(x, bias), bias_gelu_ref(x, bias)) < tol
+    assert rel_err(bias_gelu(x, bias), bias_gelu_ref(x, bias)) < tol
     gate_up = (torch.randn(rows, 2 * width, generator=g) * 3).to(device, dtype)
     out = silu_mul(gate_up)
-    assert out.shape == (rows, width) and _rel(out, silu_mul_ref(gate_up)) < tol
+    assert out.shape == (rows, width) and rel_err(out, silu_mul_ref(gate_up)) < tol
 
 
 @pytest.mark.gpu
@@ -68,7 +66,7 @@ def test_fused_model_on_cuda_matches_hugging_face(kind):
     with torch.inference_mode():
         ours = model.compute_logits(model(ids.cuda(), torch.arange(n, device="cuda"), meta)).cpu()
         want = hf(ids[None]).logits[0].float()
-    assert _rel(ours, want) < 1e-3
+    assert rel_err(ours, want) < 1e-3
 
 
 # ---- rotary + KV store (one kernel per Llama-family layer) -----------------------------------------------
@@ -118,7 +116,7 @@ def test_rotary_kv_matches_rotation_and_store(device, dtype, tokens, heads, kv_h
             # the norm's value is rounded to bfloat16 before the rotation: a last-bit difference in its
             # float32 statistics moves it one bfloat16 step (and the interpreter truncates to bfloat16
             # where the GPU rounds to nearest), which the rotation's cancellations magnify elementwise
-            assert _rel(got, ref) < 1e-2
+            assert rel_err(got, ref) < 1e-2
         else:
             torch.testing.assert_close(got, ref)
         assert not torch.equal(got, old)  # the step really changed it (rotated / stored)
@@ -149,7 +147,7 @@ def test_rotary_kv_gpu_realistic_shapes(dtype, tokens, heads, kv_heads, head_dim
     rotary_kv(*case)
     for got, ref in zip((case[0], *guarded), want):
         if qk_norm:  # the norm's float32 sums add up in another order
-            assert _rel(got, ref) < 1e-2
+            assert rel_err(got, ref) < 1e-2
         else:  # the same float32 operations, rounded the same way (no fused multiply-add)
             assert torch.equal(got, ref)
 

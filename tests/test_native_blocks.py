@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_utils import VOCAB, our_model, tiny_hf_model
+from engine_utils import VOCAB, our_model, rel_err, tiny_hf_model
 from rosecli.engine import native
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
 from rosecli.engine.kv_cache import allocate_kv_cache
@@ -28,9 +28,6 @@ def kernels(cache_dir):
     print(f"native kernels ready in {time.perf_counter() - t0:.2f} s (build: {native.build_seconds})")
     return lib
 
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _q4_1(out_f, in_f, seed):
@@ -60,7 +57,7 @@ def test_q4_and_q8_linear_equal_the_float_matmul_of_their_weights(rows):
         x = torch.randn(rows, 192, generator=g) * torch.linspace(0.01, 30, 192)  # wide range within blocks
         ref = x.double() @ w.double().T + bias.double()
         # 16-bit activations per block of 32: far inside bfloat16's 2^-9 (what torch's int4 kernel takes)
-        assert _rel(lin(x), ref) < 1e-4
+        assert rel_err(lin(x), ref) < 1e-4
         assert lin(x).dtype == torch.float32 and lin(x).shape == (rows, 96)
     assert q4_blocks(_q4_1(8, 64, 4))[3] and q8_blocks(_q8_0(8, 64, 5))[2]  # GGUF blocks come back exactly
     assert not q4_blocks(torch.randn(8, 64))[3] and not q8_blocks(torch.randn(8, 64))[2]
@@ -170,8 +167,8 @@ def test_one_call_decode_step_matches_the_layer_by_layer_path(kind, monkeypatch)
         slow = model(ids, positions, with_decode_gather(meta, block_size, model.num_kv_heads, torch.float32))
     # the same weights and arithmetic but for float32 rounding order (which can move a 16-bit
     # activation code by one): 1e-4 where a wrong store, rotation or attention row is >1e-2
-    assert _rel(fast, slow) < 1e-4
-    assert _rel(fast_pool, pool) < 1e-5
+    assert rel_err(fast, slow) < 1e-4
+    assert rel_err(fast_pool, pool) < 1e-5
 
 
 def test_auto_without_the_kernels_keeps_torch_kernels_with_a_note(tiny_engine_factory, monkeypatch, capsys):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine_utils import rel_err
 from rosecli.kernels import skinny_gemm
 from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
 from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
@@ -163,9 +164,5 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(kind, tokens, 
     assert not calls
     with torch.inference_mode():
         want = hf(ids[:, None]).logits[:, 0].float()
-    assert _rel(on, off) < 2e-3 and _rel(on, want) < 2 * _rel(off, want) + 1e-3
+    assert rel_err(on, off) < 2e-3 and rel_err(on, want) < 2 * rel_err(off, want) + 1e-3
     assert torch.equal(on.argmax(-1), off.argmax(-1))
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()

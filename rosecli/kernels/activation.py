@@ -29,13 +29,26 @@ def _tanh(u):
 
 
 @triton.jit
+def gelu_tanh(v):
+    """GELU (tanh approximation) of float32 ``v`` (shared with `skinny_gemm`'s epilogue)."""
+    return 0.5 * v * (1.0 + _tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+
+
+@triton.jit
+def silu(g):
+    """SiLU of float32 ``g``: the sigmoid without overflow (shared with `skinny_gemm`'s epilogue)."""
+    e = tl.exp(-tl.abs(g))
+    return g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))
+
+
+@triton.jit
 def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = v + tl.load(b_ptr + offs % F_DIM, mask=mask, other=0.0).to(tl.float32)
     v = v.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = 0.5 * v * (1.0 + _tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
+    y = gelu_tanh(v)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -47,8 +60,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
     col = offs % F_DIM
     g = tl.load(gu_ptr + row * 2 * F_DIM + col, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * F_DIM + F_DIM + col, mask=mask, other=0.0).to(tl.float32)
-    e = tl.exp(-tl.abs(g))  # sigmoid without overflow
-    s = (g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    s = silu(g).to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + offs, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -32,11 +32,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from rosecli.kernels import activation
-from rosecli.kernels.activation import _tanh
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from rosecli.kernels import activation
+from rosecli.kernels.activation import gelu_tanh, silu
 from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
 from rosecli.kernels.paged_decode import use_pdl
 
@@ -54,12 +53,6 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         y = F.linear(x, weight)
         return F.gelu(y if bias is None else y + bias, approximate="tanh")
     return F.linear(x, weight, bias)
-
-
-@triton.jit
-def _silu(g):
-    e = tl.exp(-tl.abs(g))  # sigmoid without overflow, as `activation.silu_mul`
-    return g * tl.where(g < 0, e / (1.0 + e), 1.0 / (1.0 + e))
 
 
 @triton.jit
@@ -156,9 +149,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, st
             acc = acc + b[None, :]
     y = acc.to(dt).to(tl.float32)
     if GELU:
-        y = 0.5 * y * (1.0 + _tanh(0.7978845608028654 * (y + 0.044715 * y * y * y)))
+        y = gelu_tanh(y)
     if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
-        y = _silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
 
 

@@ -55,6 +55,72 @@ def test_skinny_linear_matches_float64(device, dtype, mode, rows, n, k, launch):
     assert err <= 2 * torch_err + 4 * ulp, (err, torch_err)
 
 
+NORM_SHAPES = [
+    (1, 96, 576, None),  # one row (K steps past the end of K)
+    (1, 24, 576, SkinnyLaunch(4, 1024, 1, 2, 1)),  # one row in one K tile: statistics from the product's tile
+    (5, 80, 160, SkinnyLaunch(16, 256, 1, 4, 1)),  # several rows in one K tile
+    (1, 40, 1000, SkinnyLaunch(4, 128, 3, 2, 2)),  # one row, split-K, uneven K
+    (5, 80, 160, None),  # tensor-core tiles, padding rows, several column tiles
+    (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # split-K: each split writes its share of the sum
+]
+
+
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+@pytest.mark.parametrize("inputs", ["x", "x+residual", "x+bias+residual"])
+@pytest.mark.parametrize("rows,n,k,launch", NORM_SHAPES)
+def test_norm_prologue_matches_add_norm_then_the_gemm(norm_kind, inputs, rows, n, k, launch):
+    """The add_norm folded into the GEMM: its sum (the residual stream) bit for bit what `norm.add_norm`
+    writes, and the product within the unfused path's own error of the float64 one. Norm scales far from 1
+    and a shifted mean, so a wrong statistic (a mean left in an RMSNorm, a variance over one split, a
+    missing bias) shows."""
+    from rosecli.kernels import norm as norm_kernels
+
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    half = torch.float16
+    x = (torch.randn(rows, k, generator=g) + 0.5).to(half)
+    res = torch.randn(rows, k, generator=g).to(half) if "residual" in inputs else None
+    xb = (torch.randn(k, generator=g) * 0.3).to(half) if "bias" in inputs else None
+    nw = (torch.rand(k, generator=g) * 2 + 0.2).to(half)
+    nb = (torch.randn(k, generator=g) * 0.5).to(half) if norm_kind == "layer" else None
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(half)
+    b = torch.randn(n, generator=g).to(half)
+    normin = skinny_gemm.NormIn(res, xb, nw, nb, 1e-5, norm_kind == "rms")
+    y, total = skinny_gemm.skinny_norm_linear(x, normin, w, b, launch=launch)
+    h_ref, total_ref = norm_kernels.add_norm(x, res, nw, nb, 1e-5, xb, norm_kind == "rms")
+    assert torch.equal(total, total_ref)
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    exact = skinny_gemm.skinny_norm_linear_ref(d(x), skinny_gemm.NormIn(d(res), d(xb), d(nw), d(nb), 1e-5,
+                                                                        norm_kind == "rms"), d(w), d(b))[0]
+    unfused = skinny_linear(h_ref, w, b, launch=launch)  # add_norm's fp16 rows, then the GEMM
+    err = (y.double() - exact).abs().max().item()
+    unfused_err = (unfused.double() - exact).abs().max().item()
+    assert err <= 2 * unfused_err + 4 * 2 ** -10, (err, unfused_err)
+    assert (y.double() - unfused.double()).abs().max().item() <= 2 * unfused_err + 4 * 2 ** -10
+
+
+@pytest.mark.parametrize("epilogue", ["gelu", "swiglu"])
+def test_norm_prologue_with_the_activation_epilogues(epilogue):
+    """The norm prologue and an activation epilogue in one kernel: GPT-2's ln_2 + c_fc + GELU and Llama's
+    post-attention RMSNorm + gate/up + SiLU, against the unfused kernels."""
+    from rosecli.kernels import norm as norm_kernels
+
+    g = torch.Generator().manual_seed(11)
+    half = torch.float16
+    rows, n, k = 3, 48, 256
+    x, res = torch.randn(rows, k, generator=g).to(half), torch.randn(rows, k, generator=g).to(half)
+    nw = (torch.rand(k, generator=g) + 0.5).to(half)
+    rms = epilogue == "swiglu"
+    nb = None if rms else torch.randn(k, generator=g).to(half)
+    w = (torch.randn(2 * n if rms else n, k, generator=g) / k ** 0.5).to(half)
+    b = None if rms else torch.randn(n, generator=g).to(half)
+    y, total = skinny_gemm.skinny_norm_linear(x, skinny_gemm.NormIn(res, None, nw, nb, 1e-6, rms), w, b,
+                                              gelu=not rms, swiglu=rms)
+    h_ref, total_ref = norm_kernels.add_norm(x, res, nw, nb, 1e-6, None, rms)
+    assert torch.equal(total, total_ref)
+    unfused = skinny_linear(h_ref, w, b, gelu=not rms, swiglu=rms)
+    torch.testing.assert_close(y, unfused, atol=2e-3, rtol=2e-3)
+
+
 def test_split_k_is_deterministic_and_rearms_its_tickets():
     x, w, b = _case(3, 64, 1024, "bias", torch.float16, "cpu", seed=7)
     launch = SkinnyLaunch(16, 64, 8, 4, 2)
@@ -93,6 +159,18 @@ def test_launch_table(n, k, swiglu, big):
         assert (cfg.block_n >= 16 and cfg.block_k >= 16) or rows == 1  # tensor-core tiles need 16
 
 
+def test_norm_fold_table():
+    """The add_norm is folded at one row with K in one tile (K <= 2048: GPT-2, SmolLM2, Llama-3.2-1B,
+    Qwen2.5-1.5B), not for Llama-3-8B's K = 4096 nor at 2-64 rows (both measured slower)."""
+    from rosecli.kernels.launch_table import fold_norm
+
+    for k in (576, 768, 1536, 2048):
+        cfg = fold_norm(1, 2304, k)
+        assert cfg is not None and cfg.block_k >= k and cfg.split_k == 1
+        assert all(fold_norm(rows, 2304, k) is None for rows in (2, 16, 64))
+    assert fold_norm(1, 6144, 4096) is None
+
+
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     """The models' helpers with fused ops: the same results as their torch paths, the kernel really run
     (gate rows before up rows, the bias added once, GELU after it) and 65 rows left to torch."""
@@ -121,6 +199,22 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
         torch.testing.assert_close(common.fused_linear(down, d, True), down(d), **close)
     assert len(calls) == 2 * 5
     calls.clear()
+    # add_norm folded into the next GEMM at one row (LayerNorm + bias + GELU, RMSNorm + gate/up), not at 6
+    ln, rms = nn.LayerNorm(64, **half), common.RMSNorm(64, 1e-6).half()
+    with torch.no_grad():
+        ln.weight.uniform_(0.5, 1.5), ln.bias.uniform_(-0.5, 0.5), rms.weight.uniform_(0.5, 1.5)
+    folds = []
+    real_norm = skinny_gemm.skinny_norm_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: folds.append(1) or real_norm(*a, **kw))
+    for rows in (1, 6):
+        x, res, xb = torch.randn(rows, 64, **half), torch.randn(rows, 64, **half), torch.randn(64, **half)
+        for norm, linear, kw in ((ln, qkv, {}), (ln, fc, dict(gelu=True)), (rms, gate_up, dict(swiglu=True))):
+            y, total = common.norm_linear(norm, linear, x, res, True, xb if norm is ln else None, **kw)
+            y_ref, total_ref = common.norm_linear(norm, linear, x, res, False, xb if norm is ln else None, **kw)
+            torch.testing.assert_close(total, total_ref, atol=1e-3, rtol=1e-3)  # (torch rounds x + xb first)
+            torch.testing.assert_close(y, y_ref, atol=6e-3, rtol=6e-3)
+        assert len(folds) == 3
+    calls.clear()
     assert common.fused_linear(qkv, torch.randn(65, 64, **half), True).shape == (65, 96) and not calls
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
 
@@ -139,9 +233,10 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(kind, tokens, 
     hf = tiny_hf_model(kind, seed=5)
     model = our_model(hf).cuda().half()
     ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
-    calls = []
-    real = skinny_gemm.skinny_linear
+    calls, folds = [], []
+    real, real_norm = skinny_gemm.skinny_linear, skinny_gemm.skinny_norm_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: folds.append(1) or real_norm(*a, **kw))
 
     def logits():  # a decode step: `tokens` sequences of one token each (position 0)
         for attn in model.attention_layers():
@@ -158,10 +253,11 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(kind, tokens, 
 
     on = logits()
     assert calls  # the kernel ran
+    assert len(folds) == (2 * len(model.attention_layers()) if tokens == 1 else 0)  # every add_norm but the last
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
-    calls.clear()
+    calls.clear(), folds.clear()
     off = logits()
-    assert not calls
+    assert not calls and not folds
     with torch.inference_mode():
         want = hf(ids[:, None]).logits[:, 0].float()
     assert rel_err(on, off) < 2e-3 and rel_err(on, want) < 2 * rel_err(off, want) + 1e-3

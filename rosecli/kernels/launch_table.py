@@ -135,3 +135,18 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
     if k >= 1536 and n <= 1024:
         return SkinnyLaunch(16, 256, 1, 4, 4)
     return SkinnyLaunch(32, 256, 1, 4, 3) if n >= 2048 else SkinnyLaunch(16, 128, 1, 4, 4)
+
+
+def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":
+    """The launch of `skinny_gemm.skinny_norm_linear` (the `norm.add_norm` before a skinny GEMM of ``rows`` x
+    [n, k] run in its prologue), or None: keep the add_norm kernel.
+
+    Measured on the H100 (`rose profile --decode-step`, ROSE_NORM_FOLD=0 -> 1, one call): at one row with
+    the whole K in one tile per program (the rows read once, for the statistics and the product), GPT-2's
+    step 354 -> 312 us, SmolLM2-135M's 654 -> 561, Llama-3.2-1B's 1203 -> 1189, Qwen2.5-1.5B's 1767 -> 1658;
+    Llama-3-8B's (K = 4096, a [4, 4096] weight tile per program) 5857 -> 6941 us, so K stays at most 2048.
+    With K in steps (statistics in a loop before the product) GPT-2's step was 354 -> 382 us at one row and
+    593 -> 1368 us at 64 rows (every program re-reads its 64 rows from L2): more rows keep add_norm."""
+    if rows == 1 and k <= 2048:
+        return SkinnyLaunch(4, max(16, 1 << (k - 1).bit_length()), 1, 2 if k <= 1024 else 4, 1)
+    return None

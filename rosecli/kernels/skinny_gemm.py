@@ -26,7 +26,7 @@ unbiased GEMM does; SiLU(gate) * up rounds as `activation.silu_mul` after the GE
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from rosecli.kernels import activation
 from rosecli.kernels.activation import gelu_tanh, silu
 from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.norm import add_norm_ref
 from rosecli.kernels.paged_decode import use_pdl
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
@@ -54,12 +55,79 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         return F.gelu(y if bias is None else y + bias, approximate="tanh")
     return F.linear(x, weight, bias)
 
+LAYER_NORM, RMS_NORM = 1, 2  # the kernel's NORM prologues (0: none)
+
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _norm_sum(x_ptr, xb_ptr, r_ptr, rm, kk, mmask, K, stride_xm, stride_rm, HAS_XB: tl.constexpr,
+              HAS_RES: tl.constexpr):
+    """``x (+ x_bias) (+ residual)`` of rows ``rm`` at columns ``kk``, rounded to x's dtype (as `norm.add_norm`
+    stores it), in float32; 0 outside."""
+    mask = mmask[:, None] & (kk < K)[None, :]
+    s = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_XB:
+        s += tl.load(xb_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        s += tl.load(r_ptr + rm[:, None] * stride_rm + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    return s.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _tile_stats(sv, kk, K, eps, NORM: tl.constexpr):
+    """(mean, 1/std) of rows whose whole sum ``sv`` is in one tile: LayerNorm's (two passes over the
+    tile, as `norm.add_norm`) or RMSNorm's (mean 0)."""
+    if NORM == 1:
+        mean = tl.sum(sv, axis=1) / K
+        d = tl.where((kk < K)[None, :], sv - mean[:, None], 0.0)
+        return mean, tl.rsqrt(tl.sum(d * d, axis=1) / K + eps)
+    return tl.sum(sv, axis=1) * 0.0, tl.rsqrt(tl.sum(sv * sv, axis=1) / K + eps)
+
+
+@triton.jit
+def _norm_stats(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr):
+    """`_tile_stats` of rows longer than one tile: K in steps (LayerNorm: twice)."""
+    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+        acc += tl.sum(sv if NORM == 1 else sv * sv, axis=1)
+    if NORM == 1:
+        mean = acc / K
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+            d = tl.where((k + rk < K)[None, :], sv - mean[:, None], 0.0)
+            acc += tl.sum(d * d, axis=1)
+    else:
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    return mean, tl.rsqrt(acc / K + eps)
+
+
+@triton.jit
+def _normed(sv, s_ptr, g_ptr, nb_ptr, rm, kk, kmask, sum_rows, K, mean, rstd, NORM: tl.constexpr,
+            HAS_NB: tl.constexpr):
+    """The GEMM's input tile from the sum ``sv`` (float32, rounded to the stream's dtype): its norm with
+    `norm.add_norm`'s arithmetic and roundings, in the sum's dtype; also writes the sum (the new residual
+    stream, [M, K]) of ``sum_rows`` at these columns."""
+    dt = s_ptr.dtype.element_ty
+    tl.store(s_ptr + rm[:, None] * K + kk[None, :], sv.to(dt), mask=sum_rows[:, None] & kmask[None, :])
+    g = tl.load(g_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+    if NORM == 2:
+        h = (sv * rstd[:, None]).to(dt).to(tl.float32) * g
+    else:
+        h = tl.where(kmask[None, :], sv - mean[:, None], 0.0) * rstd[:, None] * g
+        if HAS_NB:
+            h += tl.load(nb_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+    return h.to(dt)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
+                   M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split, eps,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                   SWIGLU: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                   SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
+                   HAS_NB: tl.constexpr, ONE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -90,7 +158,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, st
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
-    x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    if NORM:  # the add_norm before, folded in: each program takes its rows' statistics over all of K
+        sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)  # the first column tile's programs store the sum
+        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k_lo + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+        if ONE_TILE:  # the whole rows in this tile: one read of them for the statistics and the product
+            mean, rstd = _tile_stats(sv, k_lo + rk, K, eps, NORM)
+        else:
+            mean, rstd = _norm_stats(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, eps,
+                                     BLOCK_M, BLOCK_K, NORM, HAS_XB, HAS_RES)
+        x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, k_lo + rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
+    else:
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
     if USE_DOT:
         acc += tl.dot(x, tl.trans(w))
         if SWIGLU:
@@ -104,7 +182,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, M, N, K, st
     for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+            x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, k + rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
+        else:
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -177,14 +259,47 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(1) == 1 and x.shape[1] == weight.shape[1])
 
 
+class NormIn(NamedTuple):
+    """An `norm.add_norm` folded into the GEMM's prologue: the GEMM's input is
+    ``norm(x (+ x_bias) (+ residual))`` and the sum (the new residual stream) is written out too."""
+    residual: Optional[torch.Tensor]  # [M, K] (None: the sum is x (+ x_bias))
+    x_bias: Optional[torch.Tensor]  # [K]: the bias a linear layer before left out
+    weight: torch.Tensor  # [K] the norm's scale
+    bias: Optional[torch.Tensor]  # [K] LayerNorm's shift (RMSNorm: None)
+    eps: float
+    rms: bool  # RMSNorm, else LayerNorm
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                   gelu: bool = False, launch: Optional[SkinnyLaunch] = None, swiglu: bool = False) -> torch.Tensor:
     """`skinny_linear_ref` in one launch for ``x`` of at most `MAX_ROWS` rows (`supported`). ``swiglu``:
     ``weight`` is a fused [2F, K] gate/up projection and the result is ``silu(gate) * up``, [M, F]."""
+    return _launch(x, weight, bias, gelu, launch, swiglu, None)[0]
+
+
+def skinny_norm_linear(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       gelu: bool = False, launch: Optional[SkinnyLaunch] = None,
+                       swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`skinny_norm_linear_ref` in one launch: ``(linear(norm(sum)), sum)``, ``sum = x (+ x_bias) (+ residual)``,
+    without the normed rows ever stored."""
+    assert norm.residual is None or (norm.residual.shape == x.shape and norm.residual.stride(1) == 1)
+    return _launch(x, weight, bias, gelu, launch, swiglu, norm)
+
+
+def skinny_norm_linear_ref(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                           gelu: bool = False, swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm.add_norm_ref` then `skinny_linear_ref`."""
+    h, total = add_norm_ref(x, norm.residual, norm.weight, norm.bias, norm.eps, norm.x_bias, norm.rms)
+    return skinny_linear_ref(h, weight, bias, gelu, swiglu), total
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
+            launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn]):
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert not (swiglu and (gelu or bias is not None)), "swiglu takes no bias or gelu"
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    total = torch.empty((M, K), dtype=x.dtype, device=x.device) if norm is not None else None
     cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
     use_dot = M > 1
     block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
@@ -201,9 +316,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         ticket = _ticket_buffer(x.device, grid[0] * grid[1])
     else:
         part = ticket = y
-    _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket, M, N, K, x.stride(0),
-                         weight.stride(0), y.stride(0), k_per_split, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-                         BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot, HAS_BIAS=bias is not None,
-                         GELU=gelu, SWIGLU=swiglu, NUM_STAGES=cfg.num_stages, PDL=pdl, num_warps=cfg.num_warps,
-                         launch_pdl=pdl)
-    return y
+    n = norm or NormIn(None, None, y, None, 0.0, False)  # (unused pointers stand in for those absent)
+    _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
+                         n.x_bias if n.x_bias is not None else y, n.residual if n.residual is not None else y,
+                         n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
+                         M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+                         n.residual.stride(0) if n.residual is not None else 0, k_per_split, n.eps,
+                         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
+                         HAS_BIAS=bias is not None, GELU=gelu, SWIGLU=swiglu,
+                         NORM=0 if norm is None else (RMS_NORM if norm.rms else LAYER_NORM),
+                         HAS_XB=n.x_bias is not None, HAS_RES=n.residual is not None, HAS_NB=n.bias is not None,
+                         ONE_TILE=norm is not None and split == 1 and cfg.block_k >= K, NUM_STAGES=cfg.num_stages, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
+    return y, total

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import skinny_launch
+from rosecli.kernels.launch_table import fold_norm, skinny_launch
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -137,10 +137,13 @@ def _skinny_device(x: torch.Tensor) -> bool:
 
 
 def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False, gelu: bool = False,
-            swiglu: bool = False) -> Optional[torch.Tensor]:
+            swiglu: bool = False, norm: Optional[nn.Module] = None, residual: Optional[torch.Tensor] = None,
+            x_bias: Optional[torch.Tensor] = None):
     """`skinny_gemm.skinny_linear` of a plain ``nn.Linear`` (``fused``: a decode step with the fused ops,
     which CUDA graphs replay without a Triton launch's host time; on CUDA, at most 64 rows, a shape the
-    launch table gives to it), or None: the caller runs its cuBLAS path."""
+    launch table gives to it), or None: the caller runs its cuBLAS path. With ``norm`` (an `RMSNorm` or
+    ``nn.LayerNorm``), `add_norm` is folded into the kernel's prologue (where the table says so) and the
+    result is ``(y, sum)``."""
     if not (fused and SKINNY_GEMM and _skinny_device(x) and type(linear) is nn.Linear
             and skinny_gemm.supported(x, linear.weight)):
         return None
@@ -148,7 +151,45 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
     launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
     if launch is None:
         return None
-    return skinny_gemm.skinny_linear(x, linear.weight, linear.bias if bias else None, gelu, launch, swiglu)
+    b = linear.bias if bias else None
+    if norm is None:
+        return skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu)
+    launch = fold_norm(x.shape[0], n, x.shape[1]) if NORM_FOLD else None
+    if launch is None or not _norm_foldable(norm, x, residual):
+        return None
+    rms = isinstance(norm, RMSNorm)
+    normin = skinny_gemm.NormIn(residual, x_bias, norm.weight, None if rms else norm.bias, norm.eps, rms)
+    return skinny_gemm.skinny_norm_linear(x, normin, linear.weight, b, gelu, launch, swiglu)
+
+
+NORM_FOLD = os.environ.get("ROSE_NORM_FOLD", "1") != "0"  # add_norm into the next skinny GEMM's prologue
+
+
+def _norm_foldable(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+    if isinstance(norm, RMSNorm):
+        ok = True
+    else:
+        ok = type(norm) is nn.LayerNorm and norm.elementwise_affine and norm.bias is not None
+    return (ok and norm.weight.dtype == x.dtype and norm.weight.shape == x.shape[1:]
+            and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1)))
+
+
+def norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
+                fused: bool, x_bias: Optional[torch.Tensor] = None, gelu: bool = False,
+                swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_norm` then the linear layer, ``(linear(norm(sum)), sum)``: `fused_linear`, `linear_gelu`
+    (``gelu``) or `gate_up_silu` (``swiglu``). Fused, at a decode step's few rows, one kernel: the norm
+    in the GEMM's prologue (the normed rows never stored) where the launch table says it is faster."""
+    folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
+                     residual=residual, x_bias=x_bias) if (not swiglu or linear.bias is None) else None
+    if folded is not None:
+        return folded
+    h, residual = add_norm(norm, x, residual, fused, x_bias)
+    if gelu:
+        return linear_gelu(linear, h, fused), residual
+    if swiglu:
+        return gate_up_silu(linear, h, fused), residual
+    return fused_linear(linear, h, fused), residual
 
 
 def fused_linear(layer: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
-from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, fused_linear,
-                                           linear_deferring_bias, linear_gelu, logits_gemm,
-                                           output_embedding_module, output_logits, padded_output_rows)
+from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
+                                           logits_gemm, norm_linear, output_embedding_module, output_logits,
+                                           padded_output_rows)
 
 
 class GPT2Block(nn.Module):
@@ -32,11 +32,11 @@ class GPT2Block(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream."""
         fused = meta.fused_ops
-        h, residual = add_norm(self.ln_1, x, residual, fused, x_bias)
-        q, k, v = fused_linear(self.c_attn, h, fused).split(self.d, dim=-1)
+        qkv, residual = norm_linear(self.ln_1, self.c_attn, x, residual, fused, x_bias)
+        q, k, v = qkv.split(self.d, dim=-1)
         a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta), fused)
-        h, residual = add_norm(self.ln_2, a, residual, fused, a_bias)
-        x, x_bias = linear_deferring_bias(self.mlp_proj, linear_gelu(self.c_fc, h, fused), fused)
+        g, residual = norm_linear(self.ln_2, self.c_fc, a, residual, fused, a_bias, gelu=True)
+        x, x_bias = linear_deferring_bias(self.mlp_proj, g, fused)
         return x, residual, x_bias
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, fused_linear, gate_up_silu, logits_gemm,
+                                           copy_weight, fused_linear, logits_gemm, norm_linear,
                                            output_embedding_module, output_linear, output_logits, padded_output_rows)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels import rotary
@@ -81,8 +81,7 @@ class LlamaLayer(nn.Module):
         n = x.shape[0]
         qk_size = self.q_size + self.kv_size
         fused = meta.fused_ops
-        h, residual = add_norm(self.input_layernorm, x, residual, fused)
-        qkv = fused_linear(self.qkv_proj, h, fused)
+        qkv, residual = norm_linear(self.input_layernorm, self.qkv_proj, x, residual, fused)
         stored = rope.positions is not None
         if stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
@@ -101,8 +100,8 @@ class LlamaLayer(nn.Module):
             q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
             k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
         o = fused_linear(self.o_proj, self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored), fused)
-        h, residual = add_norm(self.post_attention_layernorm, o, residual, fused)
-        return fused_linear(self.down_proj, gate_up_silu(self.gate_up_proj, h, fused), fused), residual
+        g, residual = norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, fused, swiglu=True)
+        return fused_linear(self.down_proj, g, fused), residual
 
 
 class LlamaForCausalLM(nn.Module):

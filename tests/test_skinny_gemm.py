@@ -121,6 +121,41 @@ def test_norm_prologue_with_the_activation_epilogues(epilogue):
     torch.testing.assert_close(y, unfused, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("rows,launch,fold", [
+    (1, None, False), (1, SkinnyLaunch(4, 256, 1, 2, 1), True),  # one row; and after the folded norm
+    (6, None, False), (6, SkinnyLaunch(16, 64, 3, 4, 2), False),  # tiles; split-K (the last program stores)
+])
+def test_kv_epilogue_stores_what_store_kv_would(rows, launch, fold):
+    """GPT-2's q/k/v projection with its K and V columns stored into the paged cache by the epilogue: the
+    same output, and the same caches as `store_kv_cache_ref` of that output (every kv head into its own run
+    of the block, the V heads into the V cache); a negative slot (a CUDA-graph padding row) stores nothing."""
+    from rosecli.kernels.store_kv import store_kv_cache_ref
+
+    g = torch.Generator().manual_seed(rows)
+    half = torch.float16
+    heads, head_dim, block, k = 3, 16, 4, 64
+    n = 3 * heads * head_dim
+    x = torch.randn(rows, k, generator=g).to(half)
+    w = (torch.randn(n, k, generator=g) / 8).to(half)
+    b = torch.randn(n, generator=g).to(half)
+    slots = torch.tensor([9, 2, -1, 13, 4, 0][:rows])
+    caches = [torch.full((5, heads, block, head_dim), 7.0, dtype=half) for _ in range(4)]
+    kv = skinny_gemm.KVOut(caches[0], caches[1], slots)
+    if fold:
+        normin = skinny_gemm.NormIn(None, None, torch.ones(k, dtype=half), torch.zeros(k, dtype=half), 1e-5, False)
+        y = skinny_gemm.skinny_norm_linear(x, normin, w, b, launch=launch, kv=kv)[0]
+        y_plain = skinny_gemm.skinny_norm_linear(x, normin, w, b, launch=launch)[0]
+    else:
+        y = skinny_linear(x, w, b, launch=launch, kv=kv)
+        y_plain = skinny_linear(x, w, b, launch=launch)
+    assert torch.equal(y, y_plain)
+    qs = heads * head_dim
+    store_kv_cache_ref(y[:, qs:2 * qs].view(rows, heads, head_dim), y[:, 2 * qs:].view(rows, heads, head_dim),
+                       caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert not torch.equal(caches[0], torch.full_like(caches[0], 7.0))
+
+
 def test_split_k_is_deterministic_and_rearms_its_tickets():
     x, w, b = _case(3, 64, 1024, "bias", torch.float16, "cpu", seed=7)
     launch = SkinnyLaunch(16, 64, 8, 4, 2)
@@ -169,6 +204,9 @@ def test_norm_fold_table():
         assert cfg is not None and cfg.block_k >= k and cfg.split_k == 1
         assert all(fold_norm(rows, 2304, k) is None for rows in (2, 16, 64))
     assert fold_norm(1, 6144, 4096) is None
+    from rosecli.kernels.launch_table import kv_in_gemm
+
+    assert kv_in_gemm(1) and not any(kv_in_gemm(rows) for rows in (2, 16, 64))
 
 
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):
@@ -219,46 +257,56 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
-@pytest.mark.parametrize("tokens", [1, 23])
-def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(kind, tokens, monkeypatch):
+MODEL_CASES = [pytest.param("cuda", kind, tokens, marks=pytest.mark.gpu)
+               for kind in ("gpt2", "llama", "qwen2") for tokens in (1, 23)]
+MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "gpt2", 3), ("cpu", "llama", 1)]  # the Triton interpreter
+
+
+@pytest.mark.parametrize("device,kind,tokens", MODEL_CASES)
+def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, tokens, monkeypatch):
     """A whole fp16 decode step (fused ops, as CUDA-graph decode runs them) with decode's linear layers on the
-    kernel: the same logits as on cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the
-    same greedy token per row."""
+    kernel (one row: the norms folded in; GPT-2: K and V stored by its q/k/v GEMM): the same logits as on
+    cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the same greedy token per row; and,
+    with two cached tokens before (so a K stored wrong moves the softmax), the same as on cuBLAS."""
     from engine_utils import our_model, tiny_hf_model
     from rosecli.engine.attention import AttentionMetadata
     from rosecli.engine.models import common
 
+    if device == "cpu":
+        monkeypatch.setattr(common, "_skinny_device", lambda x: True)
     hf = tiny_hf_model(kind, seed=5)
-    model = our_model(hf).cuda().half()
+    model = our_model(hf).to(device).half()
     ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
     calls, folds = [], []
     real, real_norm = skinny_gemm.skinny_linear, skinny_gemm.skinny_norm_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: folds.append(1) or real_norm(*a, **kw))
 
-    def logits():  # a decode step: `tokens` sequences of one token each (position 0)
+    def logits(prior):  # a decode step: `tokens` sequences of one new token after `prior` cached ones
+        g = torch.Generator().manual_seed(3)
         for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(tokens, attn.num_kv_heads, 16, attn.head_dim, device="cuda",
-                                       dtype=torch.float16)
-            attn.v_cache = torch.zeros_like(attn.k_cache)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=torch.arange(tokens, device="cuda") * 16,
-                                 block_tables=torch.arange(tokens, dtype=torch.int32, device="cuda")[:, None],
-                                 context_lens=torch.ones(tokens, dtype=torch.int32, device="cuda"),
-                                 max_context_len=1, use_triton=True, fused_ops=True)
+            attn.k_cache = (torch.randn(tokens, attn.num_kv_heads, 16, attn.head_dim, generator=g) * 0.5).to(
+                device, torch.float16)
+            attn.v_cache = torch.randn(attn.k_cache.shape, generator=g).to(device, torch.float16)
+        rows = torch.arange(tokens, device=device)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=rows * 16 + prior,
+                                 block_tables=rows.to(torch.int32)[:, None],
+                                 context_lens=torch.full((tokens,), prior + 1, dtype=torch.int32, device=device),
+                                 max_context_len=prior + 1, use_triton=True, fused_ops=True)
         with torch.inference_mode():
-            return model.compute_logits(model(ids.cuda(), torch.zeros(tokens, dtype=torch.long, device="cuda"),
-                                              meta)).cpu()
+            return model.compute_logits(model(ids.to(device), torch.full((tokens,), prior, device=device),
+                                              meta)).cpu().float()
 
-    on = logits()
+    on, on_prior = logits(0), logits(2)
     assert calls  # the kernel ran
-    assert len(folds) == (2 * len(model.attention_layers()) if tokens == 1 else 0)  # every add_norm but the last
+    assert len(folds) == (4 * len(model.attention_layers()) if tokens == 1 else 0)  # every add_norm but the last
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
     calls.clear(), folds.clear()
-    off = logits()
+    off, off_prior = logits(0), logits(2)
     assert not calls and not folds
     with torch.inference_mode():
         want = hf(ids[:, None]).logits[:, 0].float()
     assert rel_err(on, off) < 2e-3 and rel_err(on, want) < 2 * rel_err(off, want) + 1e-3
     assert torch.equal(on.argmax(-1), off.argmax(-1))
+    assert rel_err(on_prior, off_prior) < 2e-3 and torch.equal(on_prior.argmax(-1), off_prior.argmax(-1))
+    assert rel_err(on_prior, on) > 1e-2  # (the cached tokens do move the output)

@@ -94,13 +94,14 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
-        ``kv_stored``: the caller has put k and v into this layer's cache already (`rosecli.kernels.rotary`)."""
+        ``kv_stored``: the caller has put k and v into this layer's cache already (`rosecli.kernels.rotary`,
+        `models.common.norm_qkv`)."""
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if kv_stored:
-            pass  # the Llama family's rotary kernel stored them (`rosecli.kernels.rotary`)
+            pass  # the Llama family's rotary kernel (`rosecli.kernels.rotary`) or GPT-2's q/k/v GEMM stored them
         elif meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         elif meta.store_index is not None:

@@ -123,11 +123,13 @@ def _normed(sv, s_ptr, g_ptr, nb_ptr, rm, kk, kmask, sum_rows, K, mean, rstd, NO
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
-                   M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split, eps,
+                   kc_ptr, vc_ptr, slot_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split, eps,
+                   kv_first, kv_size, kv_heads,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
-                   HAS_NB: tl.constexpr, ONE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                   HAS_NB: tl.constexpr, ONE_TILE: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
+                   KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -235,6 +237,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
         y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
+    if KV_STORE:  # columns kv_first.. are K then V: also into their cache slots (`store_kv.store_kv_cache`)
+        slot = tl.load(slot_ptr + rm, mask=mmask, other=-1).to(tl.int64)  # a negative slot stores nothing
+        c = rn - kv_first
+        is_v = c >= kv_size
+        c = tl.where(is_v, c - kv_size, c)
+        row = ((slot // KV_BLOCK) * kv_heads)[:, None] + (c // KV_HEAD_DIM)[None, :]
+        dst = (row * KV_BLOCK + (slot % KV_BLOCK)[:, None]) * KV_HEAD_DIM + (c % KV_HEAD_DIM)[None, :]
+        kv_mask = out_mask & (slot >= 0)[:, None] & (rn >= kv_first)[None, :]
+        tl.store(kc_ptr + dst, y.to(kc_ptr.dtype.element_ty), mask=kv_mask & ~is_v[None, :])
+        tl.store(vc_ptr + dst, y.to(vc_ptr.dtype.element_ty), mask=kv_mask & is_v[None, :])
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
@@ -270,20 +282,31 @@ class NormIn(NamedTuple):
     rms: bool  # RMSNorm, else LayerNorm
 
 
+class KVOut(NamedTuple):
+    """A q/k/v projection's K and V columns also stored into a layer's paged cache by the GEMM's
+    epilogue (as `store_kv.store_kv_cache` after it would): the last ``2 * kv_heads * head_dim`` output
+    columns are K then V; a row whose slot is negative stores nothing."""
+    k_cache: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [M]
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                  gelu: bool = False, launch: Optional[SkinnyLaunch] = None, swiglu: bool = False) -> torch.Tensor:
+                  gelu: bool = False, launch: Optional[SkinnyLaunch] = None, swiglu: bool = False,
+                  kv: Optional[KVOut] = None) -> torch.Tensor:
     """`skinny_linear_ref` in one launch for ``x`` of at most `MAX_ROWS` rows (`supported`). ``swiglu``:
-    ``weight`` is a fused [2F, K] gate/up projection and the result is ``silu(gate) * up``, [M, F]."""
-    return _launch(x, weight, bias, gelu, launch, swiglu, None)[0]
+    ``weight`` is a fused [2F, K] gate/up projection and the result is ``silu(gate) * up``, [M, F].
+    ``kv``: the K and V columns also stored into the cache (`KVOut`)."""
+    return _launch(x, weight, bias, gelu, launch, swiglu, None, kv)[0]
 
 
 def skinny_norm_linear(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       gelu: bool = False, launch: Optional[SkinnyLaunch] = None,
-                       swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       gelu: bool = False, launch: Optional[SkinnyLaunch] = None, swiglu: bool = False,
+                       kv: Optional[KVOut] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`skinny_norm_linear_ref` in one launch: ``(linear(norm(sum)), sum)``, ``sum = x (+ x_bias) (+ residual)``,
-    without the normed rows ever stored."""
+    without the normed rows ever stored; ``kv`` as `skinny_linear`'s."""
     assert norm.residual is None or (norm.residual.shape == x.shape and norm.residual.stride(1) == 1)
-    return _launch(x, weight, bias, gelu, launch, swiglu, norm)
+    return _launch(x, weight, bias, gelu, launch, swiglu, norm, kv)
 
 
 def skinny_norm_linear_ref(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -294,10 +317,16 @@ def skinny_norm_linear_ref(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, 
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
-            launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn]):
+            launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn], kv: Optional[KVOut]):
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert not (swiglu and (gelu or bias is not None)), "swiglu takes no bias or gelu"
+    if kv is not None:
+        _, kv_heads, kv_block, head_dim = kv.k_cache.shape
+        assert not (swiglu or gelu) and kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous()
+        assert kv.v_cache.shape == kv.k_cache.shape and kv.slot_mapping.shape == (M,) and N >= 2 * kv_heads * head_dim
+    else:
+        kv_heads = kv_block = head_dim = 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     total = torch.empty((M, K), dtype=x.dtype, device=x.device) if norm is not None else None
     cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
@@ -320,11 +349,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
                          n.x_bias if n.x_bias is not None else y, n.residual if n.residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
-                         M, N, K, x.stride(0), weight.stride(0), y.stride(0),
+                         *(kv if kv is not None else (y, y, y)), M, N, K, x.stride(0), weight.stride(0), y.stride(0),
                          n.residual.stride(0) if n.residual is not None else 0, k_per_split, n.eps,
+                         N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
                          HAS_BIAS=bias is not None, GELU=gelu, SWIGLU=swiglu,
                          NORM=0 if norm is None else (RMS_NORM if norm.rms else LAYER_NORM),
                          HAS_XB=n.x_bias is not None, HAS_RES=n.residual is not None, HAS_NB=n.bias is not None,
-                         ONE_TILE=norm is not None and split == 1 and cfg.block_k >= K, NUM_STAGES=cfg.num_stages, PDL=pdl, num_warps=cfg.num_warps, launch_pdl=pdl)
+                         ONE_TILE=norm is not None and split == 1 and cfg.block_k >= K, KV_STORE=kv is not None,
+                         KV_HEAD_DIM=head_dim, KV_BLOCK=kv_block, NUM_STAGES=cfg.num_stages, PDL=pdl,
+                         num_warps=cfg.num_warps, launch_pdl=pdl)
     return y, total

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import fold_norm, skinny_launch
+from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -138,12 +138,12 @@ def _skinny_device(x: torch.Tensor) -> bool:
 
 def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False, gelu: bool = False,
             swiglu: bool = False, norm: Optional[nn.Module] = None, residual: Optional[torch.Tensor] = None,
-            x_bias: Optional[torch.Tensor] = None):
+            x_bias: Optional[torch.Tensor] = None, kv: Optional[skinny_gemm.KVOut] = None):
     """`skinny_gemm.skinny_linear` of a plain ``nn.Linear`` (``fused``: a decode step with the fused ops,
     which CUDA graphs replay without a Triton launch's host time; on CUDA, at most 64 rows, a shape the
     launch table gives to it), or None: the caller runs its cuBLAS path. With ``norm`` (an `RMSNorm` or
     ``nn.LayerNorm``), `add_norm` is folded into the kernel's prologue (where the table says so) and the
-    result is ``(y, sum)``."""
+    result is ``(y, sum)``. ``kv``: the epilogue also stores the K and V columns (`skinny_gemm.KVOut`)."""
     if not (fused and SKINNY_GEMM and _skinny_device(x) and type(linear) is nn.Linear
             and skinny_gemm.supported(x, linear.weight)):
         return None
@@ -153,13 +153,13 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
         return None
     b = linear.bias if bias else None
     if norm is None:
-        return skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu)
+        return skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
     launch = fold_norm(x.shape[0], n, x.shape[1]) if NORM_FOLD else None
     if launch is None or not _norm_foldable(norm, x, residual):
         return None
     rms = isinstance(norm, RMSNorm)
     normin = skinny_gemm.NormIn(residual, x_bias, norm.weight, None if rms else norm.bias, norm.eps, rms)
-    return skinny_gemm.skinny_norm_linear(x, normin, linear.weight, b, gelu, launch, swiglu)
+    return skinny_gemm.skinny_norm_linear(x, normin, linear.weight, b, gelu, launch, swiglu, kv)
 
 
 NORM_FOLD = os.environ.get("ROSE_NORM_FOLD", "1") != "0"  # add_norm into the next skinny GEMM's prologue
@@ -180,16 +180,36 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: O
     """`add_norm` then the linear layer, ``(linear(norm(sum)), sum)``: `fused_linear`, `linear_gelu`
     (``gelu``) or `gate_up_silu` (``swiglu``). Fused, at a decode step's few rows, one kernel: the norm
     in the GEMM's prologue (the normed rows never stored) where the launch table says it is faster."""
+    return _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, None)[:2]
+
+
+def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
+             fused: bool, x_bias: Optional[torch.Tensor], attn: nn.Module,
+             meta) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`norm_linear` of a [q; k; v] projection, ``(qkv, sum, stored)``; with the decode step's Triton
+    attention, where the GEMM runs as `skinny_gemm`, its epilogue also stores k and v into ``attn``'s cache
+    (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
+    kv = None
+    if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(x.shape[0]):
+        kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
+    return _norm_linear(norm, linear, x, residual, fused, x_bias, False, False, kv)
+
+
+def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
     folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
-                     residual=residual, x_bias=x_bias) if (not swiglu or linear.bias is None) else None
+                     residual=residual, x_bias=x_bias, kv=kv) if (not swiglu or linear.bias is None) else None
     if folded is not None:
-        return folded
+        return folded[0], folded[1], kv is not None
     h, residual = add_norm(norm, x, residual, fused, x_bias)
     if gelu:
-        return linear_gelu(linear, h, fused), residual
+        return linear_gelu(linear, h, fused), residual, False
     if swiglu:
-        return gate_up_silu(linear, h, fused), residual
-    return fused_linear(linear, h, fused), residual
+        return gate_up_silu(linear, h, fused), residual, False
+    if kv is not None:
+        y = _skinny(linear, h, fused, bias=True, kv=kv)
+        if y is not None:
+            return y, residual, True
+    return fused_linear(linear, h, fused), residual, False
 
 
 def fused_linear(layer: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:

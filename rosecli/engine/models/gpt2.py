@@ -9,7 +9,7 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
-                                           logits_gemm, norm_linear, output_embedding_module, output_logits,
+                                           logits_gemm, norm_linear, norm_qkv, output_embedding_module, output_logits,
                                            padded_output_rows)
 
 
@@ -32,9 +32,9 @@ class GPT2Block(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream."""
         fused = meta.fused_ops
-        qkv, residual = norm_linear(self.ln_1, self.c_attn, x, residual, fused, x_bias)
+        qkv, residual, stored = norm_qkv(self.ln_1, self.c_attn, x, residual, fused, x_bias, self.attn, meta)
         q, k, v = qkv.split(self.d, dim=-1)
-        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta), fused)
+        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta, kv_stored=stored), fused)
         g, residual = norm_linear(self.ln_2, self.c_fc, a, residual, fused, a_bias, gelu=True)
         x, x_bias = linear_deferring_bias(self.mlp_proj, g, fused)
         return x, residual, x_bias

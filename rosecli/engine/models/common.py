@@ -196,6 +196,8 @@ def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Opti
 
 
 def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
+    """`norm_linear`/`norm_qkv`: ``(y, sum, whether the kernel stored k and v)``; one skinny kernel where the
+    table folds the norm, else `add_norm` and the layer's own path."""
     folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
                      residual=residual, x_bias=x_bias, kv=kv) if (not swiglu or linear.bias is None) else None
     if folded is not None:

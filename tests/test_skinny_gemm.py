@@ -59,7 +59,6 @@ NORM_SHAPES = [
     (1, 96, 576, None),  # one row (K steps past the end of K)
     (1, 24, 576, SkinnyLaunch(4, 1024, 1, 2, 1)),  # one row in one K tile: statistics from the product's tile
     (5, 80, 160, SkinnyLaunch(16, 256, 1, 4, 1)),  # several rows in one K tile
-    (1, 40, 1000, SkinnyLaunch(4, 128, 3, 2, 2)),  # one row, split-K, uneven K
     (5, 80, 160, None),  # tensor-core tiles, padding rows, several column tiles
     (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # split-K: each split writes its share of the sum
 ]
@@ -259,7 +258,7 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
 
 MODEL_CASES = [pytest.param("cuda", kind, tokens, marks=pytest.mark.gpu)
                for kind in ("gpt2", "llama", "qwen2") for tokens in (1, 23)]
-MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "gpt2", 3), ("cpu", "llama", 1)]  # the Triton interpreter
+MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "llama", 1)]  # the Triton interpreter (one row: the folds)
 
 
 @pytest.mark.parametrize("device,kind,tokens", MODEL_CASES)

@@ -21,6 +21,12 @@ unbiased GEMM does; SiLU(gate) * up rounds as `activation.silu_mul` after the GE
 (`models.common.fused_linear`), where a Triton launch's host time is not paid per replay; set
 ``ROSE_SKINNY_GEMM=0`` to keep cuBLAS there (before/after measurements). Launch choices are plain lookups
 (`launch_table.skinny_launch`), measured on the H100 with ``scripts/bench_skinny.py``.
+
+Two steps around a layer can run inside the kernel too (at one row, where `launch_table.fold_norm` and
+`kv_in_gemm` say): `skinny_norm_linear` takes the residual add and LayerNorm/RMSNorm before the layer as
+its prologue (`NormIn`: `norm.add_norm`'s arithmetic; the sum, the new residual stream, is written out,
+the normed rows are not), and ``kv`` (`KVOut`) stores a q/k/v projection's K and V columns into the paged
+cache in the epilogue. ``ROSE_NORM_FOLD=0`` keeps the add_norm kernel.
 """
 
 from __future__ import annotations
@@ -272,7 +278,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 class NormIn(NamedTuple):
-    """An `norm.add_norm` folded into the GEMM's prologue: the GEMM's input is
+    """A `norm.add_norm` folded into the GEMM's prologue: the GEMM's input is
     ``norm(x (+ x_bias) (+ residual))`` and the sum (the new residual stream) is written out too."""
     residual: Optional[torch.Tensor]  # [M, K] (None: the sum is x (+ x_bias))
     x_bias: Optional[torch.Tensor]  # [K]: the bias a linear layer before left out

@@ -56,11 +56,11 @@ def test_skinny_linear_matches_float64(device, dtype, mode, rows, n, k, launch):
 
 
 NORM_SHAPES = [
-    (1, 96, 576, None),  # one row (K steps past the end of K)
-    (1, 24, 576, SkinnyLaunch(4, 1024, 1, 2, 1)),  # one row in one K tile: statistics from the product's tile
-    (5, 80, 160, SkinnyLaunch(16, 256, 1, 4, 1)),  # several rows in one K tile
+    (1, 96, 576, None),  # one row, the default launch (the tile runs past the end of K)
+    (1, 24, 576, SkinnyLaunch(4, 1024, 1, 2, 1)),  # the table's launch for GPT-2's and SmolLM2's widths
+    (1, 40, 1000, SkinnyLaunch(4, 1024, 1, 4, 1)),  # uneven K
     (5, 80, 160, None),  # tensor-core tiles, padding rows, several column tiles
-    (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # split-K: each split writes its share of the sum
+    (17, 64, 768, SkinnyLaunch(16, 1024, 1, 4, 1)),  # a 32-row tile
 ]
 
 
@@ -70,7 +70,7 @@ NORM_SHAPES = [
 def test_norm_prologue_matches_add_norm_then_the_gemm(norm_kind, inputs, rows, n, k, launch):
     """The add_norm folded into the GEMM: its sum (the residual stream) bit for bit what `norm.add_norm`
     writes, and the product within the unfused path's own error of the float64 one. Norm scales far from 1
-    and a shifted mean, so a wrong statistic (a mean left in an RMSNorm, a variance over one split, a
+    and a shifted mean, so a wrong statistic (a mean left in an RMSNorm, a variance over padding, a
     missing bias) shows."""
     from rosecli.kernels import norm as norm_kernels
 
@@ -95,6 +95,16 @@ def test_norm_prologue_matches_add_norm_then_the_gemm(norm_kind, inputs, rows, n
     unfused_err = (unfused.double() - exact).abs().max().item()
     assert err <= 2 * unfused_err + 4 * 2 ** -10, (err, unfused_err)
     assert (y.double() - unfused.double()).abs().max().item() <= 2 * unfused_err + 4 * 2 ** -10
+
+
+def test_norm_prologue_refuses_a_launch_that_steps_or_splits_k():
+    """The prologue takes its statistics from the one K tile it reads: a launch with K in steps or split
+    is a clear error, not a norm over part of the row."""
+    x, w = torch.randn(2, 512, dtype=torch.float16), torch.randn(32, 512, dtype=torch.float16)
+    normin = skinny_gemm.NormIn(None, None, torch.ones(512, dtype=torch.float16), None, 1e-6, True)
+    for launch in (SkinnyLaunch(16, 256, 1, 4, 1), SkinnyLaunch(16, 512, 2, 4, 1)):
+        with pytest.raises(ValueError, match="whole K"):
+            skinny_gemm.skinny_norm_linear(x, normin, w, launch=launch)
 
 
 @pytest.mark.parametrize("epilogue", ["gelu", "swiglu"])

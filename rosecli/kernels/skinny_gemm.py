@@ -80,33 +80,13 @@ def _norm_sum(x_ptr, xb_ptr, r_ptr, rm, kk, mmask, K, stride_xm, stride_rm, HAS_
 
 @triton.jit
 def _tile_stats(sv, kk, K, eps, NORM: tl.constexpr):
-    """(mean, 1/std) of rows whose whole sum ``sv`` is in one tile: LayerNorm's (two passes over the
+    """(mean, 1/std) of rows whose whole sum ``sv`` is in this tile: LayerNorm's (two passes over the
     tile, as `norm.add_norm`) or RMSNorm's (mean 0)."""
     if NORM == 1:
         mean = tl.sum(sv, axis=1) / K
         d = tl.where((kk < K)[None, :], sv - mean[:, None], 0.0)
         return mean, tl.rsqrt(tl.sum(d * d, axis=1) / K + eps)
     return tl.sum(sv, axis=1) * 0.0, tl.rsqrt(tl.sum(sv * sv, axis=1) / K + eps)
-
-
-@triton.jit
-def _norm_stats(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, eps, BLOCK_M: tl.constexpr,
-                BLOCK_K: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr):
-    """`_tile_stats` of rows longer than one tile: K in steps (LayerNorm: twice)."""
-    acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
-        acc += tl.sum(sv if NORM == 1 else sv * sv, axis=1)
-    if NORM == 1:
-        mean = acc / K
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
-            d = tl.where((k + rk < K)[None, :], sv - mean[:, None], 0.0)
-            acc += tl.sum(d * d, axis=1)
-    else:
-        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    return mean, tl.rsqrt(acc / K + eps)
 
 
 @triton.jit
@@ -134,7 +114,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
-                   HAS_NB: tl.constexpr, ONE_TILE: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
+                   HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
@@ -166,15 +146,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
-    if NORM:  # the add_norm before, folded in: each program takes its rows' statistics over all of K
-        sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)  # the first column tile's programs store the sum
-        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k_lo + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
-        if ONE_TILE:  # the whole rows in this tile: one read of them for the statistics and the product
-            mean, rstd = _tile_stats(sv, k_lo + rk, K, eps, NORM)
-        else:
-            mean, rstd = _norm_stats(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, eps,
-                                     BLOCK_M, BLOCK_K, NORM, HAS_XB, HAS_RES)
-        x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, k_lo + rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
+    if NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
+        # once for the statistics and the product; the first column tile's programs store the sum
+        sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)
+        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+        mean, rstd = _tile_stats(sv, rk, K, eps, NORM)
+        x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
     else:
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
     if USE_DOT:
@@ -190,11 +167,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
-        if NORM:
-            sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, k + rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
-            x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, k + rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
-        else:
-            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (with NORM: no second tile)
         w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -335,7 +308,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         kv_heads = kv_block = head_dim = 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     total = torch.empty((M, K), dtype=x.dtype, device=x.device) if norm is not None else None
-    cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
+    if norm is not None:  # the norm prologue reads the whole rows as one K tile, unsplit
+        cfg = launch or SkinnyLaunch(4 if M == 1 else 16, max(16, triton.next_power_of_2(K)), 1, 4, 1)
+        if cfg.block_k < K or cfg.split_k != 1:
+            raise ValueError(f"the norm prologue needs the whole K ({K}) in one tile, unsplit; got {cfg}")
+    else:
+        cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
     use_dot = M > 1
     block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
     split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
@@ -362,7 +340,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          HAS_BIAS=bias is not None, GELU=gelu, SWIGLU=swiglu,
                          NORM=0 if norm is None else (RMS_NORM if norm.rms else LAYER_NORM),
                          HAS_XB=n.x_bias is not None, HAS_RES=n.residual is not None, HAS_NB=n.bias is not None,
-                         ONE_TILE=norm is not None and split == 1 and cfg.block_k >= K, KV_STORE=kv is not None,
+                         KV_STORE=kv is not None,
                          KV_HEAD_DIM=head_dim, KV_BLOCK=kv_block, NUM_STAGES=cfg.num_stages, PDL=pdl,
                          num_warps=cfg.num_warps, launch_pdl=pdl)
     return y, total

@@ -148,12 +148,10 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
             and skinny_gemm.supported(x, linear.weight)):
         return None
     n = linear.weight.shape[0] // 2 if swiglu else linear.weight.shape[0]
-    launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
-    if launch is None:
-        return None
     b = linear.bias if bias else None
     if norm is None:
-        return skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
+        launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
+        return None if launch is None else skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
     launch = fold_norm(x.shape[0], n, x.shape[1]) if NORM_FOLD else None
     if launch is None or not _norm_foldable(norm, x, residual):
         return None
@@ -187,8 +185,8 @@ def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Opti
              fused: bool, x_bias: Optional[torch.Tensor], attn: nn.Module,
              meta) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`norm_linear` of a [q; k; v] projection, ``(qkv, sum, stored)``; with the decode step's Triton
-    attention, where the GEMM runs as `skinny_gemm`, its epilogue also stores k and v into ``attn``'s cache
-    (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
+    attention, where the norm is folded into the GEMM, its epilogue also stores k and v into ``attn``'s
+    cache (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
     kv = None
     if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(x.shape[0]):
         kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
@@ -207,10 +205,6 @@ def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
         return linear_gelu(linear, h, fused), residual, False
     if swiglu:
         return gate_up_silu(linear, h, fused), residual, False
-    if kv is not None:
-        y = _skinny(linear, h, fused, bias=True, kv=kv)
-        if y is not None:
-            return y, residual, True
     return fused_linear(linear, h, fused), residual, False
 
 

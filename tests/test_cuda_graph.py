@@ -116,3 +116,70 @@ def test_sampler_graphs_sample_what_the_eager_sampler_samples(monkeypatch, overl
         sched.runner.close()
     assert not captured[False] and len(captured[True]) > 3  # the graphs were made and replayed
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt2", "smollm2-135m"])
+def test_no_kernel_variant_is_compiled_after_start_up(monkeypatch, cache_dir, model):
+    """Start-up compiles (or loads from Triton's disk cache) every kernel variant a request meets:
+    a first request of each kind (one short prompt, W1's burst of 64, a sampled burst, a longer
+    prompt) may not wait on Triton (a compile costs 0.1-1 s, a disk-cache load milliseconds)."""
+    from triton import knobs
+
+    from rosecli.engine.llm import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cuda", dummy_layers=2, cache_dir=cache_dir,
+                                    show_progress=False, num_gpu_blocks=512, enable_prefix_cache=False))
+    met = []
+
+    def hook(*a, **kw):
+        fn = kw.get("fn")
+        met.append((getattr(getattr(fn, "fn", fn), "__name__", fn), kw.get("repr", "")[:200]))
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", hook)
+    try:
+        greedy = SamplingParams(max_new_tokens=4, stop_on_eos=False)
+        sampled = SamplingParams(max_new_tokens=4, stop_on_eos=False, temperature=0.8, top_p=0.95, top_k=50)
+        engine.generate([[100, 101]], greedy)
+        engine.generate([[200 + i, 7] for i in range(64)], greedy)
+        engine.generate([[300 + i, 7] for i in range(64)], sampled)
+        engine.generate([list(range(1000, 1100))], greedy)
+    finally:
+        engine.close()
+    assert not met, f"kernel variants met after start-up: {met}"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen2"])
+def test_start_up_runs_every_prefill_gemm_at_every_row_count(monkeypatch, kind):
+    """cuBLAS loads a kernel the first time a row count picks it (measured on the H100: a prefill of a
+    new token count took up to 50 ms longer once), so start-up runs each distinct linear layer, with
+    and without its bias, at every row count up to GEMM_WARMUP_ROWS and every 64th up to the prefill
+    budget, and the logits at every count of sampled rows (CPU here: the plan, not the timing)."""
+    import torch.nn.functional as F
+    from engine_utils import tiny_hf_model, tiny_scheduler
+
+    from rosecli.engine import runner as R
+
+    sched = tiny_scheduler(tiny_hf_model(kind, seed=3), prefill_max_tokens=400, max_batch_size=6,
+                           prefill_max_batch_size=5)
+    model = sched.runner.model
+    ran, logits_rows = set(), []
+    real_linear, real_logits = F.linear, model.compute_logits
+
+    def linear(x, w, b=None):
+        ran.add((tuple(w.shape), b is not None, x.shape[0]))
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(model, "compute_logits", lambda h: logits_rows.append(h.shape[0]) or real_logits(h))
+    sched.runner._warmup_gemms()
+    layers = {(tuple(m.weight.shape), m.bias is not None) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(layers) >= 4
+    rows = [*range(1, R.GEMM_WARMUP_ROWS + 1), 320, 384]
+    for shape, has_bias in layers:
+        for m in rows:
+            assert (shape, False, m) in ran, (shape, m)
+            assert has_bias == ((shape, True, m) in ran), (shape, m)
+    assert max(r[2] for r in ran) == 384  # (the budget, 400, is not a row count past 256 that the plan takes)
+    assert logits_rows == [1, 2, 3, 4, 5]

@@ -79,7 +79,8 @@ def header_lines(info: dict) -> list[str]:
     return [f"{k}: {v}" for k, v in info.items()]
 
 
-_STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "graph_capture_s": "graph capture"}
+_STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "graph_capture_s": "graph capture",
+                  "gemm_warmup_s": "GEMM warm-up"}
 
 
 def startup_line(startup: dict) -> str:

@@ -132,6 +132,7 @@ class _SamplerGraph:
 
 MASK_COPY_ASIDE: Optional[bool] = None  # a grammar bitmask's copy on a copy stream: None = when device-bound
 MAX_SAMPLER_GRAPHS = 256  # (batch, variant) pairs captured at most; beyond, the sampler runs eagerly
+GEMM_WARMUP_ROWS = 256  # start-up runs each prefill GEMM at every row count up to this (then every 64th)
 
 
 class ModelRunner:
@@ -285,6 +286,10 @@ class ModelRunner:
         self._warmup_sampler()
         torch.cuda.synchronize(self.device)
         self.startup_times["compile_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._warmup_gemms()
+        torch.cuda.synchronize(self.device)
+        self.startup_times["gemm_warmup_s"] = time.perf_counter() - t0
         if self.use_graphs:
             t0 = time.perf_counter()
             self._capture_graphs(progress)
@@ -294,10 +299,13 @@ class ModelRunner:
 
     def _warmup_kernels(self) -> None:
         """Run prefill and eager decode over a few shapes so Triton compiles now (it specialises
-        integer arguments on ==1 and divisibility by 16). Writes only blocks no request holds yet."""
+        integer arguments on ==1 and divisibility by 16), and a burst of short prompts (the most
+        sequences one prefill takes) so the first burst's shapes (its GEMMs' cuBLAS kernels, the
+        logits and argmax of that many rows) are loaded before a request waits for them. Writes
+        only blocks no request holds yet."""
         bs = self.block_size
         most = min(self.max_batch_size, self.config.prefill_max_batch_size)
-        for lens in ([1], [3, 17], [16, 32], [5] * 4):
+        for lens in ([1], [3, 17], [16, 32], [5] * 4, [2] * most):
             lens = [min(n, self.max_model_len) for n in lens[:most]]
             if sum(math.ceil(n / bs) for n in lens) > self.num_blocks:
                 continue
@@ -313,6 +321,32 @@ class ModelRunner:
                 self.execute(StepPlan.decode(seqs))
             for s in seqs:  # their sampling slots back: every slot is a real request's
                 self.release(s)
+
+    @torch.inference_mode()
+    def _warmup_gemms(self) -> None:
+        """Run every prefill GEMM now at each row count a prefill can have (all up to
+        `GEMM_WARMUP_ROWS`, then every 64th up to the prefill budget), and the logits GEMM at each
+        count of sampled rows. cuBLAS picks its kernel by the row count, and CUDA loads a kernel's
+        module the first time it runs: on the H100, a prefill of a token count not seen before took
+        1-9 ms longer than the next one of that count (GPT-2) and up to 50 ms (Llama-3.2-1B), paid
+        by the first requests. Each distinct linear layer (weight shape, bias) runs with its bias
+        and without (the fused paths add it in a later kernel); the outputs are discarded."""
+        budget = max(1, self.config.prefill_max_tokens)
+        rows = [*range(1, min(GEMM_WARMUP_ROWS, budget) + 1), *range(GEMM_WARMUP_ROWS + 64, budget + 1, 64)]
+        layers = {}
+        for mod in self.model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                layers.setdefault((tuple(mod.weight.shape), mod.weight.dtype, mod.bias is not None), mod)
+        for mod in layers.values():
+            x = torch.zeros(rows[-1], mod.in_features, dtype=mod.weight.dtype, device=self.device)
+            for m in rows:
+                torch.nn.functional.linear(x[:m], mod.weight)
+                if mod.bias is not None:
+                    torch.nn.functional.linear(x[:m], mod.weight, mod.bias)
+        most = min(self.max_batch_size, self.config.prefill_max_batch_size)
+        h = torch.zeros(most, self.model.output_embedding().shape[1], dtype=self.dtype, device=self.device)
+        for m in range(1, most + 1):
+            self.model.compute_logits(h[:m])
 
     def _warmup_sampler(self) -> None:
         """Compile the sampler's Triton kernels now: the first sampled request of a run waited

@@ -190,6 +190,9 @@ def test_supported_refuses_what_the_kernel_does_not_take():
     (3072, 2048, False, True), (2048, 8192, False, True), (8192, 2048, True, True),  # Llama-3.2-1B
     (14336, 4096, True, True), (4096, 14336, False, True),  # Llama-3-8B
     (8960, 1536, True, True),  # Qwen2.5-1.5B's gate/up
+    (2048, 2048, False, True), (2048, 1536, False, True), (1536, 1536, False, True),  # 1B's o, Qwen's q/k/v and o
+    (576, 1536, False, False), (960, 576, False, False), (576, 576, False, False),  # SmolLM2's down, q/k/v, o
+    (768, 768, False, False), (3072, 768, False, False),  # GPT-2's attn_proj, c_fc
 ])
 def test_launch_table(n, k, swiglu, big):
     """One row always takes the kernel; 2-64 rows of the 1B-8B layers stay on cuBLAS (measured no faster in

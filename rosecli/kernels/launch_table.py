@@ -116,6 +116,12 @@ class SkinnyLaunch(NamedTuple):
 # Qwen2.5-1.5B and 3% slower for Llama-3-8B: they keep cuBLAS at 2-64 rows, as do their other layers
 # (-3..+6% of cuBLAS alone).
 SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows (x2 gate/up)
+# ... and only for the small models' widths: layers of at least this many inputs and outputs (Qwen2.5-1.5B's q/k/v
+# [2048, 1536] and o [1536, 1536], Llama-3.2-1B's o [2048, 2048], all within SMALL_LAYER) went back to cuBLAS.
+# `rose profile --decode-step` on the H100, one call: Qwen2.5-1.5B 2,276 -> 2,201 us at B=64 and 2,042 -> 2,031
+# at B=16, Llama-3.2-1B 1,540 -> 1,527 and 1,397 -> 1,381 (per layer 7.3 -> 6.1 + 5.3 us for Qwen's two, 9.2 ->
+# 6.8 us for the 1B's o; the small models' widest layers have one side at most 768).
+SMALL_LAYER_SIDE = 1536
 
 
 def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch | None":
@@ -126,7 +132,7 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
         if size > (16 << 20):
             return SkinnyLaunch(4, 256, 1, 4, 3)
         return SkinnyLaunch(4, 512 if k >= 1024 or k % 512 == 0 else 256, 1, 2, 4)
-    if size > SMALL_LAYER:
+    if size > SMALL_LAYER or min(n, k) >= SMALL_LAYER_SIDE:
         return None
     if swiglu:
         return SkinnyLaunch(16, 128, 1, 2, 3)

@@ -72,6 +72,13 @@ SWEEP_SPACE = {"splits": (1, 2, 4, 8, 16, 32, 64, 128), "min_split_tokens": (64,
                "head_major": (False, True), "use_dot": (True, False)}
 SWEEP_MAX_PROGRAMS = 4096  # split counts giving more programs than this are not tried
 SWEEP_GAIN = 0.01  # a launch replaces the best so far only when it scores this much better
+BOUND = 0  # --bound: the host-side context bound the launches get (0: each point's context, as eager decode)
+
+
+def launch_bound(ctx: int) -> int:
+    """The context bound a launch gets: the point's own, or --bound (a model's CUDA graphs pass max_model_len,
+    so their split count is never capped by the real context, which is dealt to the splits on the device)."""
+    return max(ctx, BOUND)
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -140,7 +147,7 @@ def decode_sets(batch, ctx, heads, kv_heads, sets):
 
 
 def ours_fns(sets, ctx, **launch):
-    return [lambda s=s: paged_decode_attention(*s, SCALE, ctx, **launch) for s in sets]
+    return [lambda s=s: paged_decode_attention(*s, SCALE, launch_bound(ctx), **launch) for s in sets]
 
 
 def time_sdpa(batch, ctx, heads, kv_heads, sets, with_do_bench=True, rounds=5, flash=False) -> dict:
@@ -186,7 +193,8 @@ def bench_decode(shape, batch, ctx, heads, kv_heads) -> dict:
     sdpa_us, sdpa_bench_us = sdpa[layout]
     gbs = nbytes / (us * 1e-6) / 1e9
     return {"kernel": "paged_decode", "shape": shape, "batch": batch, "context": ctx, "heads": heads,
-            "kv_heads": kv_heads, "launch": decode_launch(batch, heads, kv_heads, HEAD_DIM, BLOCK_SIZE, ctx),
+            "kv_heads": kv_heads,
+            "launch": decode_launch(batch, heads, kv_heads, HEAD_DIM, BLOCK_SIZE, launch_bound(ctx)),
             "us": us, "GB/s": gbs, "pct_ceiling": 100 * gbs / CEILING_GBS, "sdpa_us": sdpa_us,
             "ours_over_sdpa": us / sdpa_us, "sdpa_layout": layout, "do_bench_us": bench_us_,
             "sdpa_do_bench_us": sdpa_bench_us, "sdpa_all": sdpa, "flash_us": flash_us, "floor_us": floor_us,
@@ -394,7 +402,7 @@ def sweep_decode(passes: int, budget_s: float) -> tuple[list, list]:
         def times_of(row: DecodeLaunch) -> list[float]:
             out = []
             for i, ((_, _, ctx, _, _), sets, _, _) in enumerate(data):
-                launch = launch_table.row_launch(row, ctx, BLOCK_SIZE)
+                launch = launch_table.row_launch(row, launch_bound(ctx), BLOCK_SIZE)
                 ck = (i, tuple(launch.values()))
                 if ck not in cache:
                     try:
@@ -454,8 +462,8 @@ def check_launch(row: DecodeLaunch, data) -> tuple[bool, str]:
     """The swept launch against the torch reference on the key's longest point."""
     (_, _, ctx, _, _), sets, _, _ = max(data, key=lambda d: d[0][2])
     q, k_cache, v_cache, tables, lens = sets[0]
-    launch = launch_table.row_launch(row, ctx, BLOCK_SIZE)
-    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE, ctx, **launch).float()
+    launch = launch_table.row_launch(row, launch_bound(ctx), BLOCK_SIZE)
+    out = paged_decode_attention(q, k_cache, v_cache, tables, lens, SCALE, launch_bound(ctx), **launch).float()
     ref = paged_decode_attention_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, SCALE, ctx)
     err = ((out - ref).norm() / ref.norm()).item()
     if err < 5e-3:
@@ -492,8 +500,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", metavar="NAME=HEADS:KV_HEADS",
                     help="attention shapes instead of GPT-2's and SmolLM2's, e.g. llama8b=32:8 qwen7b=28:4")
     ap.add_argument("--head-dim", type=int, default=64, help="head_dim of every shape (64: GPT-2, SmolLM2)")
+    ap.add_argument("--bound", type=int, default=0, help="context bound of every launch (a model's max_model_len: "
+                    "what its CUDA graphs pass); default each point's context")
     args = ap.parse_args()
-    global SHAPES, HEAD_DIM, SCALE
+    global SHAPES, HEAD_DIM, SCALE, BOUND
+    BOUND = args.bound
     if args.shapes:
         try:
             SHAPES = {name: tuple(int(x) for x in dims.split(":")) for name, dims in

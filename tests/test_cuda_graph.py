@@ -128,8 +128,9 @@ def test_no_kernel_variant_is_compiled_after_start_up(monkeypatch, cache_dir, mo
 
     from rosecli.engine.llm import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cuda", dummy_layers=2, cache_dir=cache_dir,
-                                    show_progress=False, num_gpu_blocks=512, enable_prefix_cache=False))
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", device="cuda", dummy_layers=2,
+                                    cache_dir=cache_dir, show_progress=False, num_gpu_blocks=512,
+                                    enable_prefix_cache=False))
     met = []
 
     def hook(*a, **kw):

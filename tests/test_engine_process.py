@@ -10,7 +10,6 @@ for _extra in ("fastapi", "uvicorn", "httpx"):
     pytest.importorskip(_extra)
 
 import json
-import socket
 import threading
 import time
 
@@ -19,7 +18,7 @@ import httpx
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.server.app import create_app
 from rosecli.server.engine_process import start_engine_process
-from rosecli.server.uvicorn_server import make_server
+from rosecli.server.uvicorn_server import bind_socket, make_server
 
 MODEL = "tiny-llama"
 
@@ -30,8 +29,10 @@ class RemoteServer:
                                    show_progress=False, **engine_kw)
         self.manager, self.engine = start_engine_process(self.config)
         self.app = create_app(self.manager, self.engine, served_model_name=MODEL)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
+        # bound as `rose serve-local` binds its port: a TCP socket (proto IPPROTO_TCP), whose connections
+        # asyncio sets TCP_NODELAY on; on a plain socket.socket() (proto 0) it does not, and a response
+        # written as headers then body waited ~40 ms for the client's delayed ACK
+        self.sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = make_server(self.app, read_timeout=30, shutdown_timeout=2, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

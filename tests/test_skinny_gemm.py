@@ -130,6 +130,65 @@ def test_norm_prologue_with_the_activation_epilogues(epilogue):
     torch.testing.assert_close(y, unfused, atol=2e-3, rtol=2e-3)
 
 
+STATS_SHAPES = [  # rows, n (the stream's width), k, the producer's launch, the consumer's
+    (5, 80, 160, None, None),  # tensor-core tiles, padding rows
+    (17, 96, 768, SkinnyLaunch(16, 64, 4, 4, 2), SkinnyLaunch(16, 32, 1, 4, 2)),  # split-K producer (the last
+    # program writes the statistics), a 32-row tile, the consumer's K in steps
+    (6, 776, 64, SkinnyLaunch(16, 64, 1, 4, 2), SkinnyLaunch(16, 128, 2, 4, 2)),  # 49 tiles (4 chunks), the last
+    # tile 8 wide; a split-K consumer
+    (64, 72, 64, SkinnyLaunch(32, 64, 1, 4, 3), SkinnyLaunch(16, 16, 1, 4, 2)),  # 64 rows, a column tile past N
+]
+
+
+@pytest.mark.parametrize("norm_kind", ["layer", "rms"])
+@pytest.mark.parametrize("rows,n,k,produce,consume", STATS_SHAPES)
+def test_residual_statistics_pair_matches_add_norm(norm_kind, rows, n, k, produce, consume):
+    """The add_norm between two GEMMs at several rows, split between them: the first adds its deferred bias
+    and the residual and writes the sum's statistics, the second (the norm folded into its weights) reads the
+    raw sum and applies each row's statistics in its epilogue. The sum is bit for bit what `norm.add_norm`
+    writes after the plain GEMM; the second product is as close to the float64 one as add_norm's rows then the
+    GEMM are. Norm scales far from 1, a shifted mean, a norm bias and an uneven last tile, so a mean left in
+    RMSNorm, a tile counted at its full width or a missing shift shows."""
+    from rosecli.kernels import norm as norm_kernels
+
+    rms = norm_kind == "rms"
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    half = torch.float16
+    x = torch.randn(rows, k, generator=g).to(half)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(half)
+    b = torch.randn(n, generator=g).to(half)
+    res = (torch.randn(rows, n, generator=g) + 0.7).to(half)
+    nw = (torch.rand(n, generator=g) * 2 + 0.2).to(half)
+    nb = None if rms else (torch.randn(n, generator=g) * 0.5).to(half)
+    w2, b2 = (torch.randn(48, n, generator=g) / n ** 0.5).to(half), torch.randn(48, generator=g).to(half)
+    total, stats = skinny_gemm.skinny_linear_add(x, w, b, res, rms, launch=produce)
+    h_ref, total_ref = norm_kernels.add_norm(skinny_linear(x, w, None, launch=produce), res, nw, nb, 1e-5, b, rms)
+    assert torch.equal(total, total_ref)
+    fold = skinny_gemm.fold_norm_weights(w2, nw, nb, 1e-5, rms)
+    y = skinny_gemm.skinny_stats_norm_linear(total, stats, fold, b2, launch=consume)
+    # against the float64 product of the normed sum: within twice the unfused path's own error (add_norm's fp16
+    # rows, then the GEMM), give or take an ulp
+    d = lambda t: None if t is None else t.double()  # noqa: E731
+    exact = skinny_gemm.skinny_norm_linear_ref(d(total), skinny_gemm.NormIn(None, None, d(nw), d(nb), 1e-5, rms),
+                                               d(w2), d(b2))[0]
+    unfused = skinny_linear(h_ref, w2, b2, launch=consume)
+    err, unfused_err = [(t.double() - exact).abs().max().item() for t in (y, unfused)]
+    assert err <= 2 * unfused_err + 2 * 2 ** -10 * exact.abs().max().item(), (err, unfused_err)
+    # the statistics really are used: a stream scaled by 3 with the old statistics gives another product
+    wrong = skinny_gemm.skinny_stats_norm_linear((total.float() * 3).half(), stats, fold, b2, launch=consume)
+    assert (wrong.double() - unfused.double()).abs().max().item() > 0.1
+
+
+def test_residual_statistics_refuse_another_width():
+    """Statistics written for a stream of one width, read for another: a clear error, not a wrong norm."""
+    x, w = torch.randn(4, 64, dtype=torch.float16), torch.randn(96, 64, dtype=torch.float16)
+    total, stats = skinny_gemm.skinny_linear_add(x, w, None, torch.randn(4, 96, dtype=torch.float16), True)
+    fold = skinny_gemm.fold_norm_weights(torch.randn(32, 128, dtype=torch.float16),
+                                         torch.ones(128, dtype=torch.float16), None, 1e-6, True)
+    with pytest.raises(ValueError, match="do not cover"):
+        skinny_gemm.skinny_stats_norm_linear(torch.randn(4, 128, dtype=torch.float16), stats, fold)
+
+
 @pytest.mark.parametrize("rows,launch,fold", [
     (1, None, False), (1, SkinnyLaunch(4, 256, 1, 2, 1), True),  # one row; and after the folded norm
     (6, None, False), (6, SkinnyLaunch(16, 64, 3, 4, 2), False),  # tiles; split-K (the last program stores)
@@ -264,6 +323,28 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
             torch.testing.assert_close(total, total_ref, atol=1e-3, rtol=1e-3)  # (torch rounds x + xb first)
             torch.testing.assert_close(y, y_ref, atol=6e-3, rtol=6e-3)
         assert len(folds) == 3
+    # the linear layer before a residual add and a norm (`linear_residual`): at 6 rows its kernel adds the bias and
+    # the residual and writes the sum's statistics, and the norm runs in the next GEMM's K loop; at 1 row the
+    # bias is deferred to the norm as before
+    adds = []
+    real_add = skinny_gemm.skinny_linear_add
+    monkeypatch.setattr(skinny_gemm, "skinny_linear_add", lambda *a, **kw: adds.append(1) or real_add(*a, **kw))
+    for rows in (1, 6):
+        h, res = torch.randn(rows, 96, **half), torch.randn(rows, 64, **half)
+        for norm, linear, kw in ((ln, fc, dict(gelu=True)), (rms, gate_up, dict(swiglu=True))):
+            a, stream, a_bias = common.linear_residual(proj, h, res, True, norm, linear, swiglu=linear is gate_up)
+            assert isinstance(a, skinny_gemm.StreamStats) == (rows > 1) and (a_bias is None) == (rows > 1)
+            y, total = common.norm_linear(norm, linear, a, stream, True, a_bias, **kw)
+            y_ref, total_ref = common.norm_linear(norm, linear, proj(h), res, False, **kw)
+            torch.testing.assert_close(total, total_ref, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(y, y_ref, atol=6e-3, rtol=6e-3)
+            h_last, _ = common.add_norm(norm, a, stream, True, a_bias)  # (a model's last norm, before the logits)
+            torch.testing.assert_close(h_last, common.add_norm(norm, proj(h), res, False)[0], atol=6e-3, rtol=6e-3)
+    assert len(adds) == 2  # (6 rows, both norms)
+    # a layer after the norm that the table leaves to cuBLAS at these rows: the add_norm kernel stays
+    big = nn.Linear(64, 70000, device="meta", **half)  # (over the 4M weights the table gives to the kernel)
+    assert common.linear_residual(proj, torch.randn(6, 96, **half), res, True, ln, big)[0].shape == (6, 64)
+    assert len(adds) == 2
     calls.clear()
     assert common.fused_linear(qkv, torch.randn(65, 64, **half), True).shape == (65, 96) and not calls
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
@@ -271,13 +352,15 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
 
 MODEL_CASES = [pytest.param("cuda", kind, tokens, marks=pytest.mark.gpu)
                for kind in ("gpt2", "llama", "qwen2") for tokens in (1, 23)]
-MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "llama", 1)]  # the Triton interpreter (one row: the folds)
+MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "llama", 1), ("cpu", "gpt2", 5), ("cpu", "llama", 5)]
+# (the Triton interpreter; one row: the folds; five: the residual statistics pairs)
 
 
 @pytest.mark.parametrize("device,kind,tokens", MODEL_CASES)
 def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, tokens, monkeypatch):
     """A whole fp16 decode step (fused ops, as CUDA-graph decode runs them) with decode's linear layers on the
-    kernel (one row: the norms folded in; GPT-2: K and V stored by its q/k/v GEMM): the same logits as on
+    kernel (one row: the norms folded in; GPT-2: K and V stored by its q/k/v GEMM; more rows: each add_norm
+    split between the GEMMs around it, `linear_residual`): the same logits as on
     cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the same greedy token per row; and,
     with two cached tokens before (so a K stored wrong moves the softmax), the same as on cuBLAS."""
     from engine_utils import our_model, tiny_hf_model
@@ -289,10 +372,14 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     hf = tiny_hf_model(kind, seed=5)
     model = our_model(hf).to(device).half()
     ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
-    calls, folds = [], []
+    calls, folds, adds, normed = [], [], [], []
     real, real_norm = skinny_gemm.skinny_linear, skinny_gemm.skinny_norm_linear
+    real_add, real_stats = skinny_gemm.skinny_linear_add, skinny_gemm.skinny_stats_norm_linear
     monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(skinny_gemm, "skinny_norm_linear", lambda *a, **kw: folds.append(1) or real_norm(*a, **kw))
+    monkeypatch.setattr(skinny_gemm, "skinny_linear_add", lambda *a, **kw: adds.append(1) or real_add(*a, **kw))
+    monkeypatch.setattr(skinny_gemm, "skinny_stats_norm_linear",
+                        lambda *a, **kw: normed.append(1) or real_stats(*a, **kw))
 
     def logits(prior):  # a decode step: `tokens` sequences of one new token after `prior` cached ones
         g = torch.Generator().manual_seed(3)
@@ -311,14 +398,18 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
 
     on, on_prior = logits(0), logits(2)
     assert calls  # the kernel ran
-    assert len(folds) == (4 * len(model.attention_layers()) if tokens == 1 else 0)  # every add_norm but the last
+    layers = len(model.attention_layers())
+    assert len(folds) == (4 * layers if tokens == 1 else 0)  # every add_norm but the last (2 per layer, 2 steps)
+    # more rows: every add_norm after a GEMM split in two, but the last's second half (the logits are cuBLAS's)
+    assert (len(adds), len(normed)) == ((0, 0) if tokens == 1 else (4 * layers, 4 * layers - 2))
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
-    calls.clear(), folds.clear()
+    calls.clear(), folds.clear(), adds.clear(), normed.clear()
     off, off_prior = logits(0), logits(2)
-    assert not calls and not folds
+    assert not calls and not folds and not adds and not normed
     with torch.inference_mode():
         want = hf(ids[:, None]).logits[:, 0].float()
     assert rel_err(on, off) < 2e-3 and rel_err(on, want) < 2 * rel_err(off, want) + 1e-3
     assert torch.equal(on.argmax(-1), off.argmax(-1))
     assert rel_err(on_prior, off_prior) < 2e-3 and torch.equal(on_prior.argmax(-1), off_prior.argmax(-1))
     assert rel_err(on_prior, on) > 1e-2  # (the cached tokens do move the output)
+

@@ -158,6 +158,22 @@ def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":
     return None
 
 
+def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch | None":
+    """The launch, at 2-64 rows, of the skinny GEMM before a residual add and a norm that also adds the residual
+    and writes each row's statistics of the sum (`skinny_gemm.skinny_linear_add`), and of the one after the
+    norm, which reads the raw sum with the norm folded into its weights (`skinny_gemm.skinny_stats_norm_linear`),
+    in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
+    At one row `fold_norm` reads the whole row in the next GEMM instead.
+
+    Measured on the H100 (`.carry_tools`-style sweep of each GPT-2 / SmolLM2-135M pair at 64 rows, CUDA-graph
+    timing): 32-column, 128-wide K tiles with 4 stages were the best or within 0.3 us of it for all eight
+    kernels (the plain table's 2-warp gate/up launch took 9.5 us against 4.8 as the folded consumer, whose
+    statistics it holds through the K loop); split-K 4 kept for K >= 3072."""
+    if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
+        return None
+    return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)
+
+
 def kv_in_gemm(rows: int) -> bool:
     """Whether GPT-2's q/k/v GEMM stores K and V into the cache in its epilogue (`skinny_gemm.KVOut`) instead
     of the store kernel after it. Measured on the H100 (`rose profile --decode-step`, one call): at one row

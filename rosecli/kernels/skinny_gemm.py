@@ -108,14 +108,71 @@ def _normed(sv, s_ptr, g_ptr, nb_ptr, rm, kk, kmask, sum_rows, K, mean, rstd, NO
 
 
 @triton.jit
+def _store_partials(st_ptr, y, rm, rn, store_rows, nmask, pid_n, tiles, count, NORM: tl.constexpr):
+    """This column tile's share of each row's statistics of ``y`` (float32 [BLOCK_M, BLOCK_N], ``count`` real
+    columns) into ``st_ptr`` [M, tiles, 2]: LayerNorm's (tile mean, sum of squared deviations from it),
+    RMSNorm's (sum of squares, 0)."""
+    yv = tl.where(nmask[None, :], y, 0.0)
+    if NORM == 1:
+        a = tl.sum(yv, axis=1) / count
+        d = tl.where(nmask[None, :], y - a[:, None], 0.0)
+        b = tl.sum(d * d, axis=1)
+    else:
+        a = tl.sum(yv * yv, axis=1)
+        b = a * 0.0
+    p = st_ptr + (rm * tiles + pid_n) * 2
+    tl.store(p, a, mask=store_rows)
+    tl.store(p + 1, b, mask=store_rows)
+
+
+@triton.jit
+def _stats_load(st_ptr, rm, mmask, tiles, TILES_PAD: tl.constexpr):
+    """The partials `_store_partials` wrote for rows ``rm``: ([BLOCK_M, TILES_PAD] x 2, 0 past the tiles)."""
+    t = tl.arange(0, TILES_PAD)
+    mask = mmask[:, None] & (t < tiles)[None, :]
+    p = st_ptr + (rm[:, None] * tiles + t[None, :]) * 2
+    return tl.load(p, mask=mask, other=0.0), tl.load(p + 1, mask=mask, other=0.0)
+
+
+@triton.jit
+def _stream_stats(a, b, tiles, width, K, eps, NORM: tl.constexpr, TILES_PAD: tl.constexpr):
+    """Each row's (mean, 1/std) from `_stats_load`'s partials over the ``K`` columns (``tiles`` tiles of
+    ``width``), combined in tile order: the same in every program and run."""
+    if NORM == 1:  # Chan et al.'s combination of the tiles' (mean, sum of squared deviations)
+        t = tl.arange(0, TILES_PAD)
+        cnt = tl.where(t < tiles, tl.minimum(width, K - t * width), 0).to(tl.float32)[None, :]
+        mean = tl.sum(a * cnt, axis=1) / K
+        d = a - mean[:, None]
+        m2 = tl.sum(b + cnt * d * d, axis=1)
+    else:
+        mean = tl.sum(a, axis=1) * 0.0
+        m2 = tl.sum(a, axis=1)
+    return mean, tl.rsqrt(m2 / K + eps)
+
+
+@triton.jit
+def _unfold_norm(acc, mean, rstd, c_ptr, d_ptr, cols, cmask, NORM: tl.constexpr, HAS_NB: tl.constexpr):
+    """The product of the raw stream with a norm-folded weight (`NormFold`) made the product of the normed rows:
+    ``rstd * (acc - mean * colsum) + shift`` (LayerNorm), ``rstd * acc`` (RMSNorm)."""
+    if NORM == 1:
+        c = tl.load(c_ptr + cols, mask=cmask, other=0.0)
+        acc = rstd[:, None] * (acc - mean[:, None] * c[None, :])
+        if HAS_NB:
+            acc += tl.load(d_ptr + cols, mask=cmask, other=0.0)[None, :]
+        return acc
+    return rstd[:, None] * acc
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
-                   kc_ptr, vc_ptr, slot_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split, eps,
-                   kv_first, kv_size, kv_heads,
+                   kc_ptr, vc_ptr, slot_ptr, st_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split,
+                   eps, kv_first, kv_size, kv_heads, st_tiles, st_width,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
-                   KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+                   KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
+                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -146,7 +203,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
-    if NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
+    if FROM_STATS:  # x is the raw residual stream, the weights are norm-folded; its rows' statistics (written
+        # by the GEMM before) are loaded beside its first tile and combined in the epilogue
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD)
+    elif NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
         # once for the statistics and the product; the first column tile's programs store the sum
         sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)
         sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
@@ -167,7 +228,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (with NORM: no second tile)
+        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (whole-row NORM: no second tile)
         w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -185,6 +246,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         acc = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N))
         acc_u = tl.reshape(tl.sum(acc_u, axis=1), (1, BLOCK_N))
     out_mask = mmask[:, None] & nmask[None, :]
+    store_rows = mmask  # (RES_OUT: the rows whose statistics this program writes)
     if SPLIT_K > 1:
         # float32 partials [SPLIT_K (x2 with SWIGLU), M, N]; the tile's last program adds them in split order
         tile = pid_m * tl.num_programs(0) + pid_n
@@ -196,6 +258,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel")
         last = ticket == SPLIT_K - 1
         out_mask = out_mask & (tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + ticket == SPLIT_K - 1)
+        store_rows = store_rows & (tl.zeros_like(rm) + ticket == SPLIT_K - 1)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(SPLIT_K):
@@ -203,18 +266,33 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
             if SWIGLU:
                 acc_u += tl.load(p_ptrs + (SPLIT_K + s) * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
         tl.store(ticket_ptr + tile, 0, mask=last)  # re-armed for the next launch (graphs replay the buffer)
+    if FROM_STATS:  # (g_ptr, nb_ptr: the fold's colsum and shift, [N] or, SWIGLU, [2N])
+        mean, rstd = _stream_stats(st_a, st_b, st_tiles, st_width, K, eps, NORM, STATS_PAD)
+        acc = _unfold_norm(acc, mean, rstd, g_ptr, nb_ptr, rn, nmask, NORM, HAS_NB)
+        if SWIGLU:
+            acc_u = _unfold_norm(acc_u, mean, rstd, g_ptr, nb_ptr, N + rn, nmask, NORM, HAS_NB)
     dt = y_ptr.dtype.element_ty
-    if HAS_BIAS:
-        b = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    if RES_OUT:  # the residual add of the add_norm after (the bias, too, after the product is rounded, as it
+        # adds a deferred one), and this tile's share of the sum's statistics for the norm
+        y = acc.to(dt).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        y += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=out_mask, other=0.0).to(tl.float32)
+        y = y.to(dt).to(tl.float32)
+        count = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
+        _store_partials(st_ptr, y, rm, rn, store_rows, nmask, pid_n, tl.num_programs(0), count, RES_OUT)
+    else:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            if GELU:
+                acc = acc.to(dt).to(tl.float32) + b[None, :]
+            else:
+                acc = acc + b[None, :]
+        y = acc.to(dt).to(tl.float32)
         if GELU:
-            acc = acc.to(dt).to(tl.float32) + b[None, :]
-        else:
-            acc = acc + b[None, :]
-    y = acc.to(dt).to(tl.float32)
-    if GELU:
-        y = gelu_tanh(y)
-    if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
-        y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+            y = gelu_tanh(y)
+        if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
+            y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
     if KV_STORE:  # columns kv_first.. are K then V: also into their cache slots (`store_kv.store_kv_cache`)
         slot = tl.load(slot_ptr + rm, mask=mmask, other=-1).to(tl.int64)  # a negative slot stores nothing
@@ -295,11 +373,67 @@ def skinny_norm_linear_ref(x: torch.Tensor, norm: NormIn, weight: torch.Tensor, 
     return skinny_linear_ref(h, weight, bias, gelu, swiglu), total
 
 
+class StreamStats(NamedTuple):
+    """Each row's statistics of a residual stream, for the norm after it, as the epilogue of `skinny_linear_add`
+    wrote them: partials per column tile of ``width`` ([M, tiles, 2] float32; LayerNorm's tile mean and sum of
+    squared deviations, or RMSNorm's sum of squares), combined by the next GEMM's prologue
+    (`skinny_stats_norm_linear`)."""
+    partials: torch.Tensor
+    width: int
+    rms: bool
+
+
+def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                      rms: bool, launch: Optional[SkinnyLaunch] = None) -> tuple[torch.Tensor, StreamStats]:
+    """A linear layer and the residual add after it in one launch: ``sum = x @ W^T (+ bias) + residual`` with
+    `norm.add_norm`'s arithmetic (the product rounded, then the bias and the residual added in float32 and
+    rounded once: the bias deferred to the add, as `common.linear_deferring_bias` does), and the statistics of
+    the sum's rows for the ``rms`` (else LayerNorm) norm after it: ``(sum, StreamStats)``."""
+    assert residual.shape == (x.shape[0], weight.shape[0]) and residual.stride(1) == 1
+    return _launch(x, weight, bias, False, launch, False, None, None, res_out=(residual, rms))
+
+
+class NormFold(NamedTuple):
+    """A norm folded into the linear layer after it (`fold_norm_weights`), for `skinny_stats_norm_linear`:
+    ``linear(norm(s)) = rstd * (s @ weight^T - mean * colsum) + shift`` per row of mean ``mean`` and 1/std
+    ``rstd`` (RMSNorm: ``rstd * s @ weight^T``), so the GEMM reads the raw residual stream and the norm is two
+    per-row numbers in its epilogue."""
+    weight: torch.Tensor  # the layer's weight, the norm's scale multiplied into its columns (in the weight's dtype)
+    colsum: Optional[torch.Tensor]  # [rows of weight] float32: each output's sum of those weights (LayerNorm)
+    shift: Optional[torch.Tensor]  # [rows of weight] float32: the norm's shift through the layer (LayerNorm's bias)
+    eps: float
+    rms: bool
+
+
+def fold_norm_weights(weight: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
+                      eps: float, rms: bool) -> NormFold:
+    """`NormFold` of a LayerNorm (``rms``: RMSNorm) of scale ``norm_weight`` and shift ``norm_bias`` into a linear
+    layer of ``weight`` ([N, K], or a fused gate/up [2N, K]): a new weight tensor of the same size."""
+    folded = (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
+    colsum = None if rms else folded.float().sum(1)
+    shift = None if rms or norm_bias is None else weight.float() @ norm_bias.float()
+    return NormFold(folded, colsum, shift, eps, rms)
+
+
+def skinny_stats_norm_linear(total: torch.Tensor, stats: StreamStats, fold: NormFold,
+                             bias: Optional[torch.Tensor] = None, gelu: bool = False,
+                             launch: Optional[SkinnyLaunch] = None, swiglu: bool = False) -> torch.Tensor:
+    """``linear(norm(total))`` in one launch, ``total`` the residual stream `skinny_linear_add` wrote with
+    ``stats``, the norm folded into the layer's weights (``fold``): a plain product of the stream, made the
+    normed rows' product in the epilogue. The normed rows are never formed, so the result is not rounded as
+    `norm.add_norm` then the GEMM round it: the same to fp16's rounding of the product, not bit for bit."""
+    assert fold.rms == stats.rms
+    return _launch(total, fold.weight, bias, gelu, launch, swiglu, None, None, stats=(stats, fold))[0]
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
-            launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn], kv: Optional[KVOut]):
+            launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn], kv: Optional[KVOut],
+            stats: Optional[tuple[StreamStats, NormFold]] = None,
+            res_out: Optional[tuple[torch.Tensor, bool]] = None):
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert not (swiglu and (gelu or bias is not None)), "swiglu takes no bias or gelu"
+    assert res_out is None or not (gelu or swiglu or norm is not None or kv is not None)
     if kv is not None:
         _, kv_heads, kv_block, head_dim = kv.k_cache.shape
         assert not (swiglu or gelu) and kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous()
@@ -330,17 +464,38 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     else:
         part = ticket = y
     n = norm or NormIn(None, None, y, None, 0.0, False)  # (unused pointers stand in for those absent)
+    if stats is not None:  # the fold's colsum and shift take the norm's scale and shift pointers
+        fold = stats[1]
+        n = NormIn(None, None, fold.colsum if fold.colsum is not None else y, fold.shift, fold.eps, fold.rms)
+    residual = n.residual if res_out is None else res_out[0]
+    out_stats = None
+    if res_out is not None:  # this kernel writes the statistics
+        out_stats = StreamStats(torch.empty((M, grid[0], 2), dtype=torch.float32, device=x.device), cfg.block_n,
+                                res_out[1])
+        st, tiles, width = out_stats.partials, grid[0], cfg.block_n
+    elif stats is not None:  # ... or reads them
+        st, tiles, width = stats[0].partials, stats[0].partials.shape[1], stats[0].width
+        if st.shape[0] != M or triton.cdiv(K, width) != tiles:
+            raise ValueError(f"statistics of {st.shape[0]} rows in {tiles} tiles of {width} do not "
+                             f"cover a [{M}, {K}] input")
+    else:
+        st, tiles, width = y, 1, 1
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
-                         n.x_bias if n.x_bias is not None else y, n.residual if n.residual is not None else y,
+                         n.x_bias if n.x_bias is not None else y, residual if residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
-                         *(kv if kv is not None else (y, y, y)), M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-                         n.residual.stride(0) if n.residual is not None else 0, k_per_split, n.eps,
-                         N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads,
+                         *(kv if kv is not None else (y, y, y)), st, M, N, K, x.stride(0), weight.stride(0),
+                         y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, n.eps,
+                         N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads, tiles, width,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
                          HAS_BIAS=bias is not None, GELU=gelu, SWIGLU=swiglu,
-                         NORM=0 if norm is None else (RMS_NORM if norm.rms else LAYER_NORM),
+                         NORM=0 if norm is None and stats is None else (RMS_NORM if n.rms else LAYER_NORM),
                          HAS_XB=n.x_bias is not None, HAS_RES=n.residual is not None, HAS_NB=n.bias is not None,
                          KV_STORE=kv is not None,
                          KV_HEAD_DIM=head_dim, KV_BLOCK=kv_block, NUM_STAGES=cfg.num_stages, PDL=pdl,
+                         FROM_STATS=stats is not None,
+                         RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
+                         STATS_PAD=max(16, triton.next_power_of_2(tiles)),
                          num_warps=cfg.num_warps, launch_pdl=pdl)
+    if out_stats is not None:
+        return y, out_stats
     return y, total

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch
+from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch, stats_fold
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -119,7 +119,11 @@ class RMSNorm(nn.Module):
 
 def add_norm(layer: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor], fused: bool,
              x_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = x (+ x_bias) (+ residual)``; returns ``(layer(s), s)`` for an `RMSNorm` or ``nn.LayerNorm``."""
+    """``s = x (+ x_bias) (+ residual)``; returns ``(layer(s), s)`` for an `RMSNorm` or ``nn.LayerNorm``.
+    ``x`` may be the `skinny_gemm.StreamStats` of `linear_residual`: ``residual`` is then the sum already."""
+    if isinstance(x, skinny_gemm.StreamStats):
+        assert x_bias is None
+        x, residual = residual, None
     if fused:
         rms = isinstance(layer, RMSNorm)
         return norm.add_norm(x, residual, layer.weight, None if rms else layer.bias, layer.eps, x_bias, rms)
@@ -136,28 +140,60 @@ def _skinny_device(x: torch.Tensor) -> bool:
     return x.is_cuda  # (the CPU has its own paths; tests interpret the kernel on CPU tensors)
 
 
+def _skinny_takes(linear: nn.Module, x: torch.Tensor, fused: bool) -> bool:
+    """Whether ``linear`` of ``x`` may run on `skinny_gemm` (``fused``: a decode step with the fused ops, which
+    CUDA graphs replay without a Triton launch's host time; on CUDA, a plain ``nn.Linear``, at most 64 rows)."""
+    return (fused and SKINNY_GEMM and _skinny_device(x) and type(linear) is nn.Linear
+            and skinny_gemm.supported(x, linear.weight))
+
+
 def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False, gelu: bool = False,
             swiglu: bool = False, norm: Optional[nn.Module] = None, residual: Optional[torch.Tensor] = None,
-            x_bias: Optional[torch.Tensor] = None, kv: Optional[skinny_gemm.KVOut] = None):
-    """`skinny_gemm.skinny_linear` of a plain ``nn.Linear`` (``fused``: a decode step with the fused ops,
-    which CUDA graphs replay without a Triton launch's host time; on CUDA, at most 64 rows, a shape the
-    launch table gives to it), or None: the caller runs its cuBLAS path. With ``norm`` (an `RMSNorm` or
+            x_bias: Optional[torch.Tensor] = None, kv: Optional[skinny_gemm.KVOut] = None,
+            stats: Optional[skinny_gemm.StreamStats] = None):
+    """`skinny_gemm.skinny_linear` of a plain ``nn.Linear`` where `_skinny_takes` it and the launch table
+    gives the shape to it, or None: the caller runs its cuBLAS path. With ``norm`` (an `RMSNorm` or
     ``nn.LayerNorm``), `add_norm` is folded into the kernel's prologue (where the table says so) and the
-    result is ``(y, sum)``. ``kv``: the epilogue also stores the K and V columns (`skinny_gemm.KVOut`)."""
-    if not (fused and SKINNY_GEMM and _skinny_device(x) and type(linear) is nn.Linear
-            and skinny_gemm.supported(x, linear.weight)):
+    result is ``(y, sum)``; with ``norm`` and ``stats`` (``x`` is then the sum `linear_residual` wrote), the
+    norm is applied to the K tiles as they are read and the result is ``y``. ``kv``: the epilogue also stores
+    the K and V columns (`skinny_gemm.KVOut`)."""
+    if not _skinny_takes(linear, x, fused):
         return None
     n = linear.weight.shape[0] // 2 if swiglu else linear.weight.shape[0]
     b = linear.bias if bias else None
+    rms = isinstance(norm, RMSNorm)
+    if stats is not None:
+        launch = stats_fold(x.shape[0], n, x.shape[1], swiglu)
+        if launch is None or not _norm_foldable(norm, x, None) or stats.rms != rms:
+            return None
+        return skinny_gemm.skinny_stats_norm_linear(x, stats, _norm_fold(norm, linear), b, gelu, launch, swiglu)
     if norm is None:
         launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
         return None if launch is None else skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
     launch = fold_norm(x.shape[0], n, x.shape[1]) if NORM_FOLD else None
     if launch is None or not _norm_foldable(norm, x, residual):
         return None
-    rms = isinstance(norm, RMSNorm)
     normin = skinny_gemm.NormIn(residual, x_bias, norm.weight, None if rms else norm.bias, norm.eps, rms)
     return skinny_gemm.skinny_norm_linear(x, normin, linear.weight, b, gelu, launch, swiglu, kv)
+
+
+def _norm_fold(norm: nn.Module, linear: nn.Module) -> skinny_gemm.NormFold:
+    """``norm`` folded into ``linear``'s weights (`skinny_gemm.fold_norm_weights`), made on first use (in a decode
+    graph's warm-up step, outside its capture) and kept on the layer; made again if either's weights change.
+    It is a second copy of the layer's weight, for the small layers the launch table gives 2-64 rows to
+    (GPT-2: 100 MB, SmolLM2-135M: 140 MB in fp16)."""
+    rms = isinstance(norm, RMSNorm)
+    tensors = (norm.weight, linear.weight) + (() if rms else (norm.bias,))
+    key = tuple((t.data_ptr(), t._version) for t in tensors)
+    cached = linear.__dict__.get("_rose_norm_fold")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if linear.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a norm fold would be made inside a CUDA graph capture: run the step once before")
+    fold = skinny_gemm.fold_norm_weights(linear.weight.detach(), norm.weight.detach(),
+                                         None if rms else norm.bias.detach(), norm.eps, rms)
+    linear.__dict__["_rose_norm_fold"] = (key, fold)
+    return fold
 
 
 NORM_FOLD = os.environ.get("ROSE_NORM_FOLD", "1") != "0"  # add_norm into the next skinny GEMM's prologue
@@ -188,14 +224,20 @@ def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Opti
     attention, where the norm is folded into the GEMM, its epilogue also stores k and v into ``attn``'s
     cache (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
     kv = None
-    if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(x.shape[0]):
+    if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(residual.shape[0] if isinstance(x, skinny_gemm.StreamStats)
+                                                              else x.shape[0]):
         kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
     return _norm_linear(norm, linear, x, residual, fused, x_bias, False, False, kv)
 
 
 def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
     """`norm_linear`/`norm_qkv`: ``(y, sum, whether the kernel stored k and v)``; one skinny kernel where the
-    table folds the norm, else `add_norm` and the layer's own path."""
+    table folds the norm, else `add_norm` and the layer's own path. ``x`` may be `linear_residual`'s
+    `skinny_gemm.StreamStats` (``residual`` the sum): the norm then runs in the GEMM's K loop."""
+    if isinstance(x, skinny_gemm.StreamStats):
+        y = _skinny(linear, residual, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm, stats=x)
+        if y is not None:
+            return y, residual, False
     folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
                      residual=residual, x_bias=x_bias, kv=kv) if (not swiglu or linear.bias is None) else None
     if folded is not None:
@@ -221,6 +263,32 @@ def linear_deferring_bias(linear: nn.Module, x: torch.Tensor,
         y = _skinny(linear, x, fused)
         return F.linear(x, linear.weight) if y is None else y, linear.bias
     return fused_linear(linear, x, fused), None
+
+
+NORM_STATS = os.environ.get("ROSE_NORM_STATS", "1") != "0"  # `linear_residual`'s kernel pair at 2-64 rows
+
+
+def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor], fused: bool,
+                    norm: nn.Module, after: nn.Module, swiglu: bool = False) -> tuple:
+    """A linear layer whose output is added to the residual stream and normed next, by a norm of ``norm``'s kind
+    for a linear layer of ``after``'s kind (a fused gate/up one with ``swiglu``): ``(x, residual, x_bias)`` for
+    the `norm_linear`, `norm_qkv` or `add_norm` after it. Fused at the 2-64 rows `launch_table.stats_fold` gives
+    to both layers, one skinny kernel also adds the bias and ``residual`` and writes the statistics of the sum's
+    rows, which the next layer's kernel turns into the norm (no add_norm kernel between): ``(StreamStats, sum,
+    None)``. Otherwise `linear_deferring_bias`: ``(y, residual, bias)``."""
+    rows, width = x.shape[0], linear.weight.shape[0]
+    if (NORM_STATS and residual is not None and _skinny_takes(linear, x, fused)
+            and _norm_foldable(norm, residual, None) and residual.dtype == x.dtype
+            and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
+            and after.weight.shape[1] == width and (not swiglu or after.bias is None)
+            and stats_fold(rows, after.weight.shape[0] // (2 if swiglu else 1), width, swiglu) is not None):
+        launch = stats_fold(rows, width, x.shape[1])
+        if launch is not None:
+            total, stats = skinny_gemm.skinny_linear_add(x, linear.weight, linear.bias, residual,
+                                                         isinstance(norm, RMSNorm), launch)
+            return stats, total, None
+    y, bias = linear_deferring_bias(linear, x, fused)
+    return y, residual, bias
 
 
 def linear_gelu(linear: nn.Module, x: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
-from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_deferring_bias,
-                                           logits_gemm, norm_linear, norm_qkv, output_embedding_module, output_logits,
+from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_residual, logits_gemm,
+                                           norm_linear, norm_qkv, output_embedding_module, output_logits,
                                            padded_output_rows)
 
 
@@ -30,14 +30,16 @@ class GPT2Block(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, x_bias: Optional[torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream."""
+        """x (+ x_bias) is the last sublayer's output, not yet added to the residual stream (or, fused at a few
+        rows, `common.linear_residual`'s statistics of the stream it added it to)."""
         fused = meta.fused_ops
         qkv, residual, stored = norm_qkv(self.ln_1, self.c_attn, x, residual, fused, x_bias, self.attn, meta)
         q, k, v = qkv.split(self.d, dim=-1)
-        a, a_bias = linear_deferring_bias(self.attn_proj, self.attn(q, k, v, meta, kv_stored=stored), fused)
+        a, residual, a_bias = linear_residual(self.attn_proj, self.attn(q, k, v, meta, kv_stored=stored), residual,
+                                              fused, self.ln_2, self.c_fc)
         g, residual = norm_linear(self.ln_2, self.c_fc, a, residual, fused, a_bias, gelu=True)
-        x, x_bias = linear_deferring_bias(self.mlp_proj, g, fused)
-        return x, residual, x_bias
+        # (the next block's ln_1 and c_attn are of this one's kind)
+        return linear_residual(self.mlp_proj, g, residual, fused, self.ln_1, self.c_attn)
 
 
 class GPT2ForCausalLM(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, fused_linear, logits_gemm, norm_linear,
+                                           copy_weight, linear_residual, logits_gemm, norm_linear,
                                            output_embedding_module, output_linear, output_logits, padded_output_rows)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels import rotary
@@ -74,14 +74,15 @@ class LlamaLayer(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.attn = Attention(self.heads, self.kv_heads, self.head_dim, self.head_dim ** -0.5, sliding_window)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the last sublayer's output, not yet added to ``residual`` (None before the first layer);
-        rope: `RotaryEmbedding.for_step` of this step's positions."""
-        n = x.shape[0]
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, meta: AttentionMetadata,
+                x_bias: Optional[torch.Tensor] = None) -> tuple:
+        """x (+ x_bias) is the last sublayer's output, not yet added to ``residual`` (None before the first
+        layer), or, fused at a few rows, `common.linear_residual`'s statistics of the stream it added it to;
+        rope: `RotaryEmbedding.for_step` of this step's positions. Returns the same three for the next layer."""
         qk_size = self.q_size + self.kv_size
         fused = meta.fused_ops
-        qkv, residual = norm_linear(self.input_layernorm, self.qkv_proj, x, residual, fused)
+        qkv, residual = norm_linear(self.input_layernorm, self.qkv_proj, x, residual, fused, x_bias)
+        n = qkv.shape[0]
         stored = rope.positions is not None
         if stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
@@ -99,9 +100,13 @@ class LlamaLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
             q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
             k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
-        o = fused_linear(self.o_proj, self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored), fused)
-        g, residual = norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, fused, swiglu=True)
-        return fused_linear(self.down_proj, g, fused), residual
+        o, residual, o_bias = linear_residual(self.o_proj, self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored),
+                                              residual, fused, self.post_attention_layernorm, self.gate_up_proj,
+                                              swiglu=True)
+        g, residual = norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, fused, o_bias,
+                                  swiglu=True)
+        # (the next layer's input norm and q/k/v projection are of this one's kind)
+        return linear_residual(self.down_proj, g, residual, fused, self.input_layernorm, self.qkv_proj)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,11 +158,11 @@ class LlamaForCausalLM(nn.Module):
             fast = self.native_decode()
             if fast is not None:
                 return fast(input_ids, positions, meta)
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, x_bias = self.embed_tokens(input_ids), None, None
         rope = self.rotary.for_step(positions, fused_rotary(meta))
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
-        return add_norm(self.norm, x, residual, meta.fused_ops)[0]
+            x, residual, x_bias = layer(x, residual, rope, meta, x_bias)
+        return add_norm(self.norm, x, residual, meta.fused_ops, x_bias)[0]
 
     def output_embedding(self) -> torch.Tensor:
         return self.embed_tokens.weight

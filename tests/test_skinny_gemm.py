@@ -280,6 +280,22 @@ def test_norm_fold_table():
     assert kv_in_gemm(1) and not any(kv_in_gemm(rows) for rows in (2, 16, 64))
 
 
+def test_residual_statistics_table():
+    """The GEMM pairs around a norm run at 2-64 rows for the small models' layers (GPT-2, SmolLM2-135M), not at
+    one row (the whole-row fold) nor for layers the table leaves to cuBLAS (Llama-3.2-1B's)."""
+    from rosecli.kernels.launch_table import stats_fold
+
+    small = [(768, 768, False), (768, 3072, False), (3072, 768, False), (2304, 768, False),  # GPT-2
+             (576, 576, False), (576, 1536, False), (1536, 576, True), (960, 576, False)]  # SmolLM2
+    for n, k, swiglu in small:
+        assert stats_fold(1, n, k, swiglu) is None and stats_fold(65, n, k, swiglu) is None
+        for rows in (2, 16, 64):
+            cfg = stats_fold(rows, n, k, swiglu)
+            assert cfg is not None and cfg.block_n >= 16 and cfg.block_k >= 16 and (cfg.split_k > 1) == (k >= 3072)
+    assert all(stats_fold(64, n, k, sw) is None for n, k, sw in ((2048, 2048, False), (8192, 2048, True),
+                                                                  (2048, 8192, False)))
+
+
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     """The models' helpers with fused ops: the same results as their torch paths, the kernel really run
     (gate rows before up rows, the bias added once, GELU after it) and 65 rows left to torch."""

@@ -165,10 +165,13 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
     in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
     At one row `fold_norm` reads the whole row in the next GEMM instead.
 
-    Measured on the H100 (`.carry_tools`-style sweep of each GPT-2 / SmolLM2-135M pair at 64 rows, CUDA-graph
-    timing): 32-column, 128-wide K tiles with 4 stages were the best or within 0.3 us of it for all eight
-    kernels (the plain table's 2-warp gate/up launch took 9.5 us against 4.8 as the folded consumer, whose
-    statistics it holds through the K loop); split-K 4 kept for K >= 3072."""
+    Measured on the H100. A sweep of each GPT-2 / SmolLM2-135M pair at 64 rows (weights in L2) found 32-column,
+    128-wide K tiles with 4 stages best or within 0.3 us of it for all eight kernels; the plain table's 2-warp
+    gate/up launch took 9.5 us against 4.8 as the folded consumer (split-K 4 kept for K >= 3072).
+    `scripts/bench_skinny.py --pairs` (weights past L2), GEMM + add_norm + GEMM -> the pair, us at 16 / 64 rows:
+    GPT-2 attn_proj+c_fc 9.0 -> 9.3 / 12.8 -> 10.6, mlp_proj+c_attn 11.7 -> 10.9 / 13.5 -> 12.3; SmolLM2 o+gate_up
+    8.8 -> 7.2 / 10.1 -> 8.8, down+qkv 8.4 -> 8.1 / 10.0 -> 9.3. Whole decode steps (`rose profile --decode-step`):
+    GPT-2 447 -> 402 us (B=16), 594 -> 542 (B=64); SmolLM2 850 -> 747, 1013 -> 892."""
     if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)

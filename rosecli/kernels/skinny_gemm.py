@@ -27,6 +27,14 @@ Two steps around a layer can run inside the kernel too (at one row, where `launc
 its prologue (`NormIn`: `norm.add_norm`'s arithmetic; the sum, the new residual stream, is written out,
 the normed rows are not), and ``kv`` (`KVOut`) stores a q/k/v projection's K and V columns into the paged
 cache in the epilogue. ``ROSE_NORM_FOLD=0`` keeps the add_norm kernel.
+
+At 2-64 rows (`launch_table.stats_fold`) the add_norm between two layers is split between their kernels
+instead: `skinny_linear_add` (the layer before) adds its deferred bias and the residual and writes each
+column tile's statistics of the sum's rows (`StreamStats`); `skinny_stats_norm_linear` (the layer after) reads
+the raw sum with the norm's scale folded into a copy of its weights (`NormFold`) and makes the product the
+normed rows' in its epilogue from each row's mean and 1/std. Normalising each K tile as it is read cost more
+than the add_norm kernel it saved (64 rows x K of float32 arithmetic per program). ``ROSE_NORM_STATS=0``
+keeps the add_norm kernel.
 """
 
 from __future__ import annotations

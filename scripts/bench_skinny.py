@@ -91,7 +91,8 @@ def pairs(models, rows_list, sweep: bool) -> None:
             wcs = [torch.randn(N2, D, device=dev, dtype=dtype) / D ** 0.5 for _ in range(copies)]
             bp = torch.randn(D, device=dev, dtype=dtype) if p_bias or not rms else None
             bc = torch.randn(N2, device=dev, dtype=dtype) if c_bias else None
-            nw, nb = torch.rand(D, device=dev, dtype=dtype) + 0.5, None if rms else torch.randn(D, device=dev, dtype=dtype)
+            nw = torch.rand(D, device=dev, dtype=dtype) + 0.5
+            nb = None if rms else torch.randn(D, device=dev, dtype=dtype)
             folds = [fold_norm_weights(w, nw, nb, 1e-5, rms) for w in wcs]
             n2 = N2 // 2 if swiglu else N2
             for M in rows_list:
@@ -108,7 +109,8 @@ def pairs(models, rows_list, sweep: bool) -> None:
 
                 def t_of(p_cfg, c_cfg):
                     try:
-                        return graph_time_us([lambda wp=wp, f=f: pair(wp, f, p_cfg, c_cfg) for wp, f in zip(wps, folds)])
+                        fns = [lambda wp=wp, f=f: pair(wp, f, p_cfg, c_cfg) for wp, f in zip(wps, folds)]
+                        return graph_time_us(fns)
                     except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                         torch.cuda.synchronize()
                         return math.inf

@@ -155,8 +155,8 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
     gives the shape to it, or None: the caller runs its cuBLAS path. With ``norm`` (an `RMSNorm` or
     ``nn.LayerNorm``), `add_norm` is folded into the kernel's prologue (where the table says so) and the
     result is ``(y, sum)``; with ``norm`` and ``stats`` (``x`` is then the sum `linear_residual` wrote), the
-    norm is applied to the K tiles as they are read and the result is ``y``. ``kv``: the epilogue also stores
-    the K and V columns (`skinny_gemm.KVOut`)."""
+    kernel reads that sum with the norm folded into a copy of the weights (`_norm_fold`) and the result is
+    ``y``. ``kv``: the epilogue also stores the K and V columns (`skinny_gemm.KVOut`)."""
     if not _skinny_takes(linear, x, fused):
         return None
     n = linear.weight.shape[0] // 2 if swiglu else linear.weight.shape[0]
@@ -224,8 +224,8 @@ def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Opti
     attention, where the norm is folded into the GEMM, its epilogue also stores k and v into ``attn``'s
     cache (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
     kv = None
-    if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(residual.shape[0] if isinstance(x, skinny_gemm.StreamStats)
-                                                              else x.shape[0]):
+    rows = residual.shape[0] if isinstance(x, skinny_gemm.StreamStats) else x.shape[0]
+    if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(rows):
         kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
     return _norm_linear(norm, linear, x, residual, fused, x_bias, False, False, kv)
 
@@ -233,7 +233,8 @@ def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Opti
 def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
     """`norm_linear`/`norm_qkv`: ``(y, sum, whether the kernel stored k and v)``; one skinny kernel where the
     table folds the norm, else `add_norm` and the layer's own path. ``x`` may be `linear_residual`'s
-    `skinny_gemm.StreamStats` (``residual`` the sum): the norm then runs in the GEMM's K loop."""
+    `skinny_gemm.StreamStats` (``residual`` the sum): the norm then runs in the GEMM's epilogue, or (a layer
+    the table leaves to cuBLAS) in `add_norm` of the sum alone."""
     if isinstance(x, skinny_gemm.StreamStats):
         y = _skinny(linear, residual, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm, stats=x)
         if y is not None:

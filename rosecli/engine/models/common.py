@@ -277,14 +277,13 @@ def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch
     to both layers, one skinny kernel also adds the bias and ``residual`` and writes the statistics of the sum's
     rows, which the next layer's kernel turns into the norm (no add_norm kernel between): ``(StreamStats, sum,
     None)``. Otherwise `linear_deferring_bias`: ``(y, residual, bias)``."""
-    rows, width = x.shape[0], linear.weight.shape[0]
-    if (NORM_STATS and residual is not None and _skinny_takes(linear, x, fused)
-            and _norm_foldable(norm, residual, None) and residual.dtype == x.dtype
-            and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
-            and after.weight.shape[1] == width and (not swiglu or after.bias is None)
-            and stats_fold(rows, after.weight.shape[0] // (2 if swiglu else 1), width, swiglu) is not None):
+    if NORM_STATS and residual is not None and _skinny_takes(linear, x, fused):  # (a plain nn.Linear: .weight)
+        rows, width = x.shape[0], linear.weight.shape[0]
         launch = stats_fold(rows, width, x.shape[1])
-        if launch is not None:
+        if (launch is not None and _norm_foldable(norm, residual, None) and residual.dtype == x.dtype
+                and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
+                and after.weight.shape[1] == width and (not swiglu or after.bias is None)
+                and stats_fold(rows, after.weight.shape[0] // (2 if swiglu else 1), width, swiglu) is not None):
             total, stats = skinny_gemm.skinny_linear_add(x, linear.weight, linear.bias, residual,
                                                          isinstance(norm, RMSNorm), launch)
             return stats, total, None

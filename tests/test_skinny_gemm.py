@@ -137,6 +137,8 @@ STATS_SHAPES = [  # rows, n (the stream's width), k, the producer's launch, the 
     (6, 776, 64, SkinnyLaunch(16, 64, 1, 4, 2), SkinnyLaunch(16, 128, 2, 4, 2)),  # 49 tiles (4 chunks), the last
     # tile 8 wide; a split-K consumer
     (64, 72, 64, SkinnyLaunch(32, 64, 1, 4, 3), SkinnyLaunch(16, 16, 1, 4, 2)),  # 64 rows, a column tile past N
+    (1, 778, 64, SkinnyLaunch(4, 64, 1, 2, 2), SkinnyLaunch(4, 256, 1, 2, 2)),  # one row (vector products): 195
+    # tiles of 4, the last 2 wide
 ]
 
 
@@ -280,20 +282,28 @@ def test_norm_fold_table():
     assert kv_in_gemm(1) and not any(kv_in_gemm(rows) for rows in (2, 16, 64))
 
 
-def test_residual_statistics_table():
+def test_residual_statistics_table(monkeypatch):
     """The GEMM pairs around a norm run at 2-64 rows for the small models' layers (GPT-2, SmolLM2-135M), not at
     one row (the whole-row fold) nor for layers the table leaves to cuBLAS (Llama-3.2-1B's)."""
-    from rosecli.kernels.launch_table import stats_fold
+    from rosecli.kernels import launch_table
+    from rosecli.kernels.launch_table import stats_fold, stats_pair
 
     small = [(768, 768, False), (768, 3072, False), (3072, 768, False), (2304, 768, False),  # GPT-2
              (576, 576, False), (576, 1536, False), (1536, 576, True), (960, 576, False)]  # SmolLM2
     for n, k, swiglu in small:
-        assert stats_fold(1, n, k, swiglu) is None and stats_fold(65, n, k, swiglu) is None
+        assert stats_fold(65, n, k, swiglu) is None
         for rows in (2, 16, 64):
             cfg = stats_fold(rows, n, k, swiglu)
             assert cfg is not None and cfg.block_n >= 16 and cfg.block_k >= 16 and (cfg.split_k > 1) == (k >= 3072)
     assert all(stats_fold(64, n, k, sw) is None for n, k, sw in ((2048, 2048, False), (8192, 2048, True),
                                                                   (2048, 8192, False)))
+    # one row: the whole-row fold (or add_norm) at every width until the folded copies are counted before the KV
+    # cache is sized (launch_table.STATS_ONE_ROW_WIDTHS); a width range given, those widths take the pair
+    assert not any(stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096))
+    monkeypatch.setattr(launch_table, "STATS_ONE_ROW_WIDTHS", (1536, 2048))
+    assert [stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096)] == [False, False, True, True, False]
+    assert all(stats_pair(rows, w) for rows in (2, 64) for w in (576, 4096)) and not stats_pair(65, 768)
+    assert stats_fold(1, 3072, 2048) is not None and stats_fold(1, 8192, 2048, True) is not None
 
 
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):
@@ -366,14 +376,16 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
 
 
-MODEL_CASES = [pytest.param("cuda", kind, tokens, marks=pytest.mark.gpu)
-               for kind in ("gpt2", "llama", "qwen2") for tokens in (1, 23)]
-MODEL_CASES += [("cpu", "gpt2", 1), ("cpu", "llama", 1), ("cpu", "gpt2", 5), ("cpu", "llama", 5)]
-# (the Triton interpreter; one row: the folds; five: the residual statistics pairs)
+MODEL_CASES = [pytest.param("cuda", kind, tokens, pair, marks=pytest.mark.gpu)
+               for kind in ("gpt2", "llama", "qwen2") for tokens, pair in ((1, False), (1, True), (23, False))]
+MODEL_CASES += [("cpu", "gpt2", 1, False), ("cpu", "llama", 1, False), ("cpu", "gpt2", 5, False),
+                ("cpu", "llama", 5, False), ("cpu", "gpt2", 1, True), ("cpu", "llama", 1, True)]
+# (the Triton interpreter; one row: the folds, or with ``pair`` the residual statistics pairs as a width given
+# `launch_table.STATS_ONE_ROW_WIDTHS` takes them; five rows: the pairs)
 
 
-@pytest.mark.parametrize("device,kind,tokens", MODEL_CASES)
-def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, tokens, monkeypatch):
+@pytest.mark.parametrize("device,kind,tokens,pair", MODEL_CASES)
+def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, tokens, pair, monkeypatch):
     """A whole fp16 decode step (fused ops, as CUDA-graph decode runs them) with decode's linear layers on the
     kernel (one row: the norms folded in; GPT-2: K and V stored by its q/k/v GEMM; more rows: each add_norm
     split between the GEMMs around it, `linear_residual`): the same logits as on
@@ -383,8 +395,12 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     from rosecli.engine.attention import AttentionMetadata
     from rosecli.engine.models import common
 
+    from rosecli.kernels import launch_table
+
     if device == "cpu":
         monkeypatch.setattr(common, "_skinny_device", lambda x: True)
+    if pair:  # one row takes the pairs at this tiny model's width (measured faster at the 1-2B models' widths)
+        monkeypatch.setattr(launch_table, "STATS_ONE_ROW_WIDTHS", (64, 64))
     hf = tiny_hf_model(kind, seed=5)
     model = our_model(hf).to(device).half()
     ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
@@ -413,11 +429,14 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
                                               meta)).cpu().float()
 
     on, on_prior = logits(0), logits(2)
-    assert calls  # the kernel ran
+    assert calls or adds  # the kernel ran
     layers = len(model.attention_layers())
-    assert len(folds) == (4 * layers if tokens == 1 else 0)  # every add_norm but the last (2 per layer, 2 steps)
-    # more rows: every add_norm after a GEMM split in two, but the last's second half (the logits are cuBLAS's)
-    assert (len(adds), len(normed)) == ((0, 0) if tokens == 1 else (4 * layers, 4 * layers - 2))
+    # one row: every add_norm but the last folded (2 a layer, 2 steps); with the pairs, every add_norm after a GEMM
+    # split in two, but the last's second half (the logits are cuBLAS's), and at one row the first layer's first
+    # norm (after the embedding) folded
+    paired = tokens > 1 or pair
+    assert len(folds) == (2 if pair else 0 if tokens > 1 else 4 * layers)
+    assert (len(adds), len(normed)) == ((4 * layers, 4 * layers - 2) if paired else (0, 0))
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
     calls.clear(), folds.clear(), adds.clear(), normed.clear()
     off, off_prior = logits(0), logits(2)

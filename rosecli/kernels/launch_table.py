@@ -163,7 +163,7 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
     and writes each row's statistics of the sum (`skinny_gemm.skinny_linear_add`), and of the one after the
     norm, which reads the raw sum with the norm folded into its weights (`skinny_gemm.skinny_stats_norm_linear`),
     in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
-    At one row `fold_norm` reads the whole row in the next GEMM instead.
+    At one row, the plain one-row launch, for the widths `stats_pair` gives it (elsewhere `fold_norm`).
 
     Measured on the H100. A sweep of each GPT-2 / SmolLM2-135M pair at 64 rows (weights in L2) found 32-column,
     128-wide K tiles with 4 stages best or within 0.3 us of it for all eight kernels; the plain table's 2-warp
@@ -172,9 +172,28 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
     GPT-2 attn_proj+c_fc 9.0 -> 9.3 / 12.8 -> 10.6, mlp_proj+c_attn 11.7 -> 10.9 / 13.5 -> 12.3; SmolLM2 o+gate_up
     8.8 -> 7.2 / 10.1 -> 8.8, down+qkv 8.4 -> 8.1 / 10.0 -> 9.3. Whole decode steps (`rose profile --decode-step`):
     GPT-2 447 -> 402 us (B=16), 594 -> 542 (B=64); SmolLM2 850 -> 747, 1013 -> 892."""
+    if rows == 1:  # (whether one row takes the pair at all is `stats_pair`'s to say)
+        return skinny_launch(1, n, k, swiglu)
     if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)
+
+
+# The residual stream widths (lo, hi) at which one row takes the pair rather than `fold_norm`'s whole-row prologue;
+# None: none does. `rose profile --decode-step` at B=1 on the H100, fold -> pair, one call each: Qwen2.5-1.5B (1536)
+# 1,705 -> 1,547 us (59.4% -> 65.4% of the floor), Llama-3.2-1B (2048) 1,185 -> 1,113 us; GPT-2 (768) 291 -> 298 and
+# SmolLM2-135M (576) 566 -> 619 us keep the fold. Not on yet: the norm-folded copies of those models' q/k/v and
+# gate/up weights take 1.3-1.7 GB that the KV cache's sizing does not count (GPT-2's and SmolLM2's 0.1 GB come out
+# of the margin as the CUDA graphs' memory does), and Llama-3.1-8B's run with the pair (a 9 GB copy) stopped on an
+# error that was not captured. The next step is to make the copies before the KV cache is sized.
+STATS_ONE_ROW_WIDTHS: "tuple[int, int] | None" = None
+
+
+def stats_pair(rows: int, width: int) -> bool:
+    """Whether the add_norm on a residual stream of ``width`` at ``rows`` is split between the GEMMs around it
+    (`stats_fold`'s launches, where it gives both layers one)."""
+    one_row = STATS_ONE_ROW_WIDTHS
+    return 1 < rows <= 64 or (rows == 1 and one_row is not None and one_row[0] <= width <= one_row[1])
 
 
 def kv_in_gemm(rows: int) -> bool:

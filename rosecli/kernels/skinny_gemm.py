@@ -425,13 +425,14 @@ def fold_norm_weights(weight: torch.Tensor, norm_weight: torch.Tensor, norm_bias
 
 def skinny_stats_norm_linear(total: torch.Tensor, stats: StreamStats, fold: NormFold,
                              bias: Optional[torch.Tensor] = None, gelu: bool = False,
-                             launch: Optional[SkinnyLaunch] = None, swiglu: bool = False) -> torch.Tensor:
+                             launch: Optional[SkinnyLaunch] = None, swiglu: bool = False,
+                             kv: Optional[KVOut] = None) -> torch.Tensor:
     """``linear(norm(total))`` in one launch, ``total`` the residual stream `skinny_linear_add` wrote with
     ``stats``, the norm folded into the layer's weights (``fold``): a plain product of the stream, made the
     normed rows' product in the epilogue. The normed rows are never formed, so the result is not rounded as
     `norm.add_norm` then the GEMM round it: the same to fp16's rounding of the product, not bit for bit."""
     assert fold.rms == stats.rms
-    return _launch(total, fold.weight, bias, gelu, launch, swiglu, None, None, stats=(stats, fold))[0]
+    return _launch(total, fold.weight, bias, gelu, launch, swiglu, None, kv, stats=(stats, fold))[0]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch, stats_fold
+from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch, stats_fold, stats_pair
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -166,7 +166,7 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
         launch = stats_fold(x.shape[0], n, x.shape[1], swiglu)
         if launch is None or not _norm_foldable(norm, x, None) or stats.rms != rms:
             return None
-        return skinny_gemm.skinny_stats_norm_linear(x, stats, _norm_fold(norm, linear), b, gelu, launch, swiglu)
+        return skinny_gemm.skinny_stats_norm_linear(x, stats, _norm_fold(norm, linear), b, gelu, launch, swiglu, kv)
     if norm is None:
         launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
         return None if launch is None else skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
@@ -236,9 +236,9 @@ def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
     `skinny_gemm.StreamStats` (``residual`` the sum): the norm then runs in the GEMM's epilogue, or (a layer
     the table leaves to cuBLAS) in `add_norm` of the sum alone."""
     if isinstance(x, skinny_gemm.StreamStats):
-        y = _skinny(linear, residual, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm, stats=x)
+        y = _skinny(linear, residual, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm, kv=kv, stats=x)
         if y is not None:
-            return y, residual, False
+            return y, residual, kv is not None
     folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
                      residual=residual, x_bias=x_bias, kv=kv) if (not swiglu or linear.bias is None) else None
     if folded is not None:
@@ -273,13 +273,14 @@ def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch
                     norm: nn.Module, after: nn.Module, swiglu: bool = False) -> tuple:
     """A linear layer whose output is added to the residual stream and normed next, by a norm of ``norm``'s kind
     for a linear layer of ``after``'s kind (a fused gate/up one with ``swiglu``): ``(x, residual, x_bias)`` for
-    the `norm_linear`, `norm_qkv` or `add_norm` after it. Fused at the 2-64 rows `launch_table.stats_fold` gives
-    to both layers, one skinny kernel also adds the bias and ``residual`` and writes the statistics of the sum's
-    rows, which the next layer's kernel turns into the norm (no add_norm kernel between): ``(StreamStats, sum,
-    None)``. Otherwise `linear_deferring_bias`: ``(y, residual, bias)``."""
+    the `norm_linear`, `norm_qkv` or `add_norm` after it. Fused, where `launch_table.stats_pair` says so (2-64
+    rows) and `stats_fold` gives both layers a launch, one skinny kernel
+    also adds the bias and ``residual`` and writes the statistics of the sum's rows, which the next layer's
+    kernel turns into the norm (no add_norm kernel between): ``(StreamStats, sum, None)``. Otherwise
+    `linear_deferring_bias`: ``(y, residual, bias)``."""
     if NORM_STATS and residual is not None and _skinny_takes(linear, x, fused):  # (a plain nn.Linear: .weight)
         rows, width = x.shape[0], linear.weight.shape[0]
-        launch = stats_fold(rows, width, x.shape[1])
+        launch = stats_fold(rows, width, x.shape[1]) if stats_pair(rows, width) else None
         if (launch is not None and _norm_foldable(norm, residual, None) and residual.dtype == x.dtype
                 and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
                 and after.weight.shape[1] == width and (not swiglu or after.bias is None)

@@ -371,6 +371,15 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     big = nn.Linear(64, 70000, device="meta", **half)  # (over the 4M weights the table gives to the kernel)
     assert common.linear_residual(proj, torch.randn(6, 96, **half), res, True, ln, big)[0].shape == (6, 64)
     assert len(adds) == 2
+    # statistics written, and a layer after the norm that the table leaves to cuBLAS: the sum is normed by add_norm,
+    # the same result
+    wide = nn.Linear(64, 70000, **half)
+    h = torch.randn(6, 96, **half)
+    a, stream, _ = common.linear_residual(proj, h, res, True, ln, fc)
+    y, total = common.norm_linear(ln, wide, a, stream, True, None, gelu=True)
+    y_ref, total_ref = common.norm_linear(ln, wide, proj(h), res, False, gelu=True)
+    torch.testing.assert_close(total, total_ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(y, y_ref, atol=6e-3, rtol=6e-3)
     calls.clear()
     assert common.fused_linear(qkv, torch.randn(65, 64, **half), True).shape == (65, 96) and not calls
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls

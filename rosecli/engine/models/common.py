@@ -239,6 +239,7 @@ def _norm_linear(norm, linear, x, residual, fused, x_bias, gelu, swiglu, kv):
         y = _skinny(linear, residual, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm, kv=kv, stats=x)
         if y is not None:
             return y, residual, kv is not None
+        x, residual = residual, None  # the sum alone, normed below as any layer's input
     folded = _skinny(linear, x, fused, bias=not swiglu, gelu=gelu, swiglu=swiglu, norm=norm,
                      residual=residual, x_bias=x_bias, kv=kv) if (not swiglu or linear.bias is None) else None
     if folded is not None:

@@ -58,3 +58,12 @@ def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
 def rel_err(a, b) -> float:
     """Relative error of ``a`` against ``b`` (Frobenius norms, in float64)."""
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def same_greedy(a, ref, tol: float = 1e-3) -> bool:
+    """Whether each row's greedy token under logits ``a`` is ``ref``'s, or ties with it within ``tol`` of the row's
+    largest |logit| (a near tie that rounding alone can flip: random tiny models have some)."""
+    a, ref = a.double(), ref.double()
+    pick, best = a.argmax(-1, keepdim=True), ref.max(-1, keepdim=True).values
+    gap = best - ref.gather(-1, pick)
+    return bool((gap <= tol * ref.abs().max(-1, keepdim=True).values).all())

@@ -8,12 +8,14 @@ sweep, in `launch_table.SkinnyLaunch` form.
 
     python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
 
-``--pairs`` times instead each add_norm between two of a small model's layers at 2-64 rows, as the
-decode graphs run it: the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after, against
-the pair `launch_table.stats_fold` gives it (`skinny_gemm.skinny_linear_add`, then
-`skinny_stats_norm_linear` on the norm-folded weights), with ``--sweep`` each kernel's launches too.
+``--pairs`` times instead each add_norm between two of a model's layers, as the decode graphs run it without
+the pair: at 2-64 rows the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after; at one row the
+GEMM before and the one after with the norm in its prologue (`launch_table.fold_norm`, else add_norm). Against
+it the pair `launch_table.stats_fold` gives (`skinny_gemm.skinny_linear_add`, then `skinny_stats_norm_linear`)
+on norm-folded copies of the weights and on the weights themselves, the input scaled as read ("scaled"); with
+``--sweep`` each kernel's launches too.
 
-    python scripts/bench_skinny.py --pairs [--rows 16 64] [--models gpt2 smollm2] [--sweep]
+    python scripts/bench_skinny.py --pairs [--rows 1 16 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import math
 import torch
 
 from rosecli.kernels import activation, norm
-from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch, stats_fold
-from rosecli.kernels.skinny_gemm import (fold_norm_weights, skinny_linear, skinny_linear_add, skinny_linear_ref,
-                                         skinny_stats_norm_linear)
+from rosecli.kernels.launch_table import SkinnyLaunch, fold_norm, skinny_launch, stats_fold
+from rosecli.kernels.skinny_gemm import (NormIn, fold_norm_weights, skinny_linear, skinny_linear_add,
+                                         skinny_linear_ref, skinny_norm_linear, skinny_stats_norm_linear)
 
 # name -> dtype, [(layer, N, K, bias, activation: True = GELU (tanh), "swiglu" = silu(gate) * up)]
 SHAPES = {
@@ -71,8 +73,9 @@ def graph_time_us(fns, reps: int = 30) -> float:
 
 
 # model -> [(the layer before the norm, the layer after)], and whether its norms are RMSNorms
-PAIRS = {"gpt2": ([("attn_proj", "c_fc"), ("mlp_proj", "c_attn")], False),
-         "smollm2": ([("o", "gate_up"), ("down", "qkv")], True)}
+_LLAMA_PAIRS = ([("o", "gate_up"), ("down", "qkv")], True)
+PAIRS = {"gpt2": ([("attn_proj", "c_fc"), ("mlp_proj", "c_attn")], False), "smollm2": _LLAMA_PAIRS,
+         "llama1b": _LLAMA_PAIRS, "qwen1.5b": _LLAMA_PAIRS, "llama8b": _LLAMA_PAIRS}
 
 
 def pairs(models, rows_list, sweep: bool) -> None:
@@ -94,12 +97,18 @@ def pairs(models, rows_list, sweep: bool) -> None:
             nw = torch.rand(D, device=dev, dtype=dtype) + 0.5
             nb = None if rms else torch.randn(D, device=dev, dtype=dtype)
             folds = [fold_norm_weights(w, nw, nb, 1e-5, rms) for w in wcs]
+            scaled = [fold_norm_weights(w, nw, nb, 1e-5, rms, copy=False) for w in wcs]
             n2 = N2 // 2 if swiglu else N2
             for M in rows_list:
                 x, res = torch.randn(M, Kp, device=dev, dtype=dtype), torch.randn(M, D, device=dev, dtype=dtype)
                 pl, cl = skinny_launch(M, D, Kp), skinny_launch(M, n2, D, swiglu)
+                prologue = fold_norm(M, n2, D)  # (one row: the norm in the next GEMM's prologue, as without the pair)
 
                 def plain(wp, wc):
+                    if prologue is not None:
+                        y, bias = skinny_linear(x, wp, None, launch=pl), bp
+                        return skinny_norm_linear(y, NormIn(res, bias, nw, nb, 1e-5, rms), wc, bc, gelu, prologue,
+                                                  swiglu)[0]
                     h = norm.add_norm(skinny_linear(x, wp, None, launch=pl), res, nw, nb, 1e-5, bp, rms)[0]
                     return skinny_linear(h, wc, bc, gelu, cl, swiglu)
 
@@ -107,9 +116,9 @@ def pairs(models, rows_list, sweep: bool) -> None:
                     total, st = skinny_linear_add(x, wp, bp, res, rms, p_cfg)
                     return skinny_stats_norm_linear(total, st, fold, bc, gelu, c_cfg, swiglu)
 
-                def t_of(p_cfg, c_cfg):
+                def t_of(p_cfg, c_cfg, fs=folds):
                     try:
-                        fns = [lambda wp=wp, f=f: pair(wp, f, p_cfg, c_cfg) for wp, f in zip(wps, folds)]
+                        fns = [lambda wp=wp, f=f: pair(wp, f, p_cfg, c_cfg) for wp, f in zip(wps, fs)]
                         return graph_time_us(fns)
                     except Exception:  # noqa: BLE001 - e.g. out of shared memory: not a candidate
                         torch.cuda.synchronize()
@@ -118,8 +127,10 @@ def pairs(models, rows_list, sweep: bool) -> None:
                 t_plain = graph_time_us([lambda wp=wp, wc=wc: plain(wp, wc) for wp, wc in zip(wps, wcs)])
                 table = stats_fold(M, D, Kp)
                 t_pair = t_of(table, stats_fold(M, n2, D, swiglu))
-                line = (f"{model:8s} {before}+norm+{after} M={M:<3d} gemm+add_norm+gemm {t_plain:6.2f} us | pair "
-                        f"{t_pair:6.2f} us ({t_plain / t_pair:4.2f}x) {tuple(table)}")
+                t_scaled = t_of(table, stats_fold(M, n2, D, swiglu), scaled)
+                line = (f"{model:8s} {before}+norm+{after} M={M:<3d} without the pair {t_plain:6.2f} us | pair "
+                        f"{t_pair:6.2f} us ({t_plain / t_pair:4.2f}x) | scaled {t_scaled:6.2f} us "
+                        f"({t_plain / t_scaled:4.2f}x) {tuple(table) if table else None}")
                 if sweep:
                     cands = [SkinnyLaunch(bn, bk, sp, 4, st) for bn, bk, sp, st
                              in itertools.product((16, 32, 64), (128, 256), (1, 4), (3, 4))]
@@ -127,7 +138,7 @@ def pairs(models, rows_list, sweep: bool) -> None:
                     best_c = min([c for c in cands if c.split_k == 1], key=lambda c: t_of(best_p, c))
                     line += f" | best {t_of(best_p, best_c):6.2f} us before {tuple(best_p)} after {tuple(best_c)}"
                 print(line, flush=True)
-            del wps, wcs, folds
+            del wps, wcs, folds, scaled
 
 
 def main() -> None:

@@ -179,14 +179,14 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)
 
 
-# The residual stream widths (lo, hi) at which one row takes the pair rather than `fold_norm`'s whole-row prologue;
-# None: none does. `rose profile --decode-step` at B=1 on the H100, fold -> pair, one call each: Qwen2.5-1.5B (1536)
-# 1,705 -> 1,547 us (59.4% -> 65.4% of the floor), Llama-3.2-1B (2048) 1,185 -> 1,113 us; GPT-2 (768) 291 -> 298 and
-# SmolLM2-135M (576) 566 -> 619 us keep the fold. Not on yet: the norm-folded copies of those models' q/k/v and
-# gate/up weights take 1.3-1.7 GB that the KV cache's sizing does not count (GPT-2's and SmolLM2's 0.1 GB come out
-# of the margin as the CUDA graphs' memory does), and Llama-3.1-8B's run with the pair (a 9 GB copy) stopped on an
-# error that was not captured. The next step is to make the copies before the KV cache is sized.
-STATS_ONE_ROW_WIDTHS: "tuple[int, int] | None" = None
+# The residual stream widths (lo, hi) at which one row takes the pair rather than `fold_norm`'s whole-row prologue (or,
+# past K = 2048, the add_norm kernel); None: none does. The one-row consumer scales its input by the norm's scale as
+# it reads it (`fold_copy`), so no weights are copied. `rose profile --decode-step` at B=1 on the H100, without -> with
+# the pair, one call, twice each: Qwen2.5-1.5B (1536) 1,698 -> 1,565 us (60.2% -> 65.3% of the floor), Llama-3.2-1B
+# (2048) 1,184 -> 1,125 us (69.2% -> 72.8%), Llama-3.1-8B (4096) 5,852 -> 5,651 us (84.9% -> 87.9%); GPT-2 (768) and
+# SmolLM2-135M (576) keep the fold (`scripts/bench_skinny.py --pairs --rows 1`: their pairs 0.56-0.90x of it, the
+# larger models' 1.01-1.13x).
+STATS_ONE_ROW_WIDTHS: "tuple[int, int] | None" = (1536, 4096)
 
 
 def stats_pair(rows: int, width: int) -> bool:
@@ -194,6 +194,13 @@ def stats_pair(rows: int, width: int) -> bool:
     (`stats_fold`'s launches, where it gives both layers one)."""
     one_row = STATS_ONE_ROW_WIDTHS
     return 1 < rows <= 64 or (rows == 1 and one_row is not None and one_row[0] <= width <= one_row[1])
+
+
+def fold_copy(rows: int) -> bool:
+    """Whether the layer after the statistics pair reads a norm-folded copy of its weights (`skinny_gemm.NormFold`)
+    rather than its own with the norm's scale applied to each input tile as it is read: at one row the vector
+    products scale the row for nothing measurable and no copy is made."""
+    return rows > 1
 
 
 def kv_in_gemm(rows: int) -> bool:

@@ -33,8 +33,9 @@ instead: `skinny_linear_add` (the layer before) adds its deferred bias and the r
 column tile's statistics of the sum's rows (`StreamStats`); `skinny_stats_norm_linear` (the layer after) reads
 the raw sum with the norm's scale folded into a copy of its weights (`NormFold`) and makes the product the
 normed rows' in its epilogue from each row's mean and 1/std. Normalising each K tile as it is read cost more
-than the add_norm kernel it saved (64 rows x K of float32 arithmetic per program). ``ROSE_NORM_STATS=0``
-keeps the add_norm kernel.
+than the add_norm kernel it saved (64 rows x K of float32 arithmetic per program). At one row (the 1.5B-8B
+widths, `launch_table.stats_pair`) the layer after reads its own weights and scales each input tile by the norm's
+scale as it reads it (`NormFold.scale`): no copy. ``ROSE_NORM_STATS=0`` keeps the add_norm kernel.
 """
 
 from __future__ import annotations
@@ -172,15 +173,28 @@ def _unfold_norm(acc, mean, rstd, c_ptr, d_ptr, cols, cmask, NORM: tl.constexpr,
 
 
 @triton.jit
+def _scaled_in(x, sc_ptr, kk, kmask, SCALE_IN: tl.constexpr, USE_DOT: tl.constexpr):
+    """An input tile of the raw stream times the norm's scale at columns ``kk`` (`NormFold` without a folded copy);
+    in float32 for one row's vector products, rounded to the stream's dtype for ``tl.dot``."""
+    if SCALE_IN:  # (one return: Triton takes one type per function)
+        xs = x.to(tl.float32) * tl.load(sc_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if USE_DOT:
+            xs = xs.to(x.dtype)
+    else:
+        xs = x
+    return xs
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
-                   kc_ptr, vc_ptr, slot_ptr, st_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm, k_per_split,
-                   eps, kv_first, kv_size, kv_heads, st_tiles, st_width,
+                   kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
+                   k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles, st_width,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
-                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr):
+                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALE_IN: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -211,9 +225,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
-    if FROM_STATS:  # x is the raw residual stream, the weights are norm-folded; its rows' statistics (written
-        # by the GEMM before) are loaded beside its first tile and combined in the epilogue
+    if FROM_STATS:  # x is the raw residual stream, the weights are norm-folded (or SCALE_IN: x is scaled as it
+        # is read); its rows' statistics (written by the GEMM before) are loaded beside its first tile and
+        # combined in the epilogue
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = _scaled_in(x, sc_ptr, k_lo + rk, kmask, SCALE_IN, USE_DOT)
         st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD)
     elif NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
         # once for the statistics and the product; the first column tile's programs store the sum
@@ -237,6 +253,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (whole-row NORM: no second tile)
+        x = _scaled_in(x, sc_ptr, k + rk, kmask, SCALE_IN, USE_DOT)
         w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -404,23 +421,31 @@ def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
 class NormFold(NamedTuple):
     """A norm folded into the linear layer after it (`fold_norm_weights`), for `skinny_stats_norm_linear`:
     ``linear(norm(s)) = rstd * (s @ weight^T - mean * colsum) + shift`` per row of mean ``mean`` and 1/std
-    ``rstd`` (RMSNorm: ``rstd * s @ weight^T``), so the GEMM reads the raw residual stream and the norm is two
-    per-row numbers in its epilogue."""
-    weight: torch.Tensor  # the layer's weight, the norm's scale multiplied into its columns (in the weight's dtype)
-    colsum: Optional[torch.Tensor]  # [rows of weight] float32: each output's sum of those weights (LayerNorm)
+    ``rstd`` (RMSNorm: ``rstd * s @ weight^T``), where ``weight`` is the layer's with the norm's scale
+    multiplied into its columns, so the GEMM reads the raw residual stream and the norm is two per-row numbers
+    in its epilogue. With ``scale``, ``weight`` is the layer's own and the kernel multiplies each input tile by
+    the scale as it reads it (no copy of the weights)."""
+    weight: torch.Tensor  # the weights the GEMM reads: norm-folded (in the weight's dtype), or with `scale` its own
+    colsum: Optional[torch.Tensor]  # [rows of weight] float32: each output's sum of the folded weights (LayerNorm)
     shift: Optional[torch.Tensor]  # [rows of weight] float32: the norm's shift through the layer (LayerNorm's bias)
     eps: float
     rms: bool
+    scale: Optional[torch.Tensor] = None  # [K] the norm's scale, applied to the input in the kernel (no copy)
 
 
 def fold_norm_weights(weight: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
-                      eps: float, rms: bool) -> NormFold:
+                      eps: float, rms: bool, copy: bool = True) -> NormFold:
     """`NormFold` of a LayerNorm (``rms``: RMSNorm) of scale ``norm_weight`` and shift ``norm_bias`` into a linear
-    layer of ``weight`` ([N, K], or a fused gate/up [2N, K]): a new weight tensor of the same size."""
-    folded = (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
-    colsum = None if rms else folded.float().sum(1)
+    layer of ``weight`` ([N, K], or a fused gate/up [2N, K]): with ``copy``, a new weight tensor of the same size;
+    without, the norm's scale is kept to scale the input in the kernel, and only [N] vectors are made."""
+    if copy:
+        folded = (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
+        colsum = None if rms else folded.float().sum(1)
+    else:
+        folded = weight
+        colsum = None if rms else weight.float() @ norm_weight.float()
     shift = None if rms or norm_bias is None else weight.float() @ norm_bias.float()
-    return NormFold(folded, colsum, shift, eps, rms)
+    return NormFold(folded, colsum, shift, eps, rms, None if copy else norm_weight)
 
 
 def skinny_stats_norm_linear(total: torch.Tensor, stats: StreamStats, fold: NormFold,
@@ -473,9 +498,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     else:
         part = ticket = y
     n = norm or NormIn(None, None, y, None, 0.0, False)  # (unused pointers stand in for those absent)
+    scale = None
     if stats is not None:  # the fold's colsum and shift take the norm's scale and shift pointers
         fold = stats[1]
         n = NormIn(None, None, fold.colsum if fold.colsum is not None else y, fold.shift, fold.eps, fold.rms)
+        scale = fold.scale
     residual = n.residual if res_out is None else res_out[0]
     out_stats = None
     if res_out is not None:  # this kernel writes the statistics
@@ -492,7 +519,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
                          n.x_bias if n.x_bias is not None else y, residual if residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
-                         *(kv if kv is not None else (y, y, y)), st, M, N, K, x.stride(0), weight.stride(0),
+                         *(kv if kv is not None else (y, y, y)), st, scale if scale is not None else y,
+                         M, N, K, x.stride(0), weight.stride(0),
                          y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, n.eps,
                          N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads, tiles, width,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
@@ -503,7 +531,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          KV_HEAD_DIM=head_dim, KV_BLOCK=kv_block, NUM_STAGES=cfg.num_stages, PDL=pdl,
                          FROM_STATS=stats is not None,
                          RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
-                         STATS_PAD=max(16, triton.next_power_of_2(tiles)),
+                         STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALE_IN=scale is not None,
                          num_warps=cfg.num_warps, launch_pdl=pdl)
     if out_stats is not None:
         return y, out_stats

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import fold_norm, kv_in_gemm, skinny_launch, stats_fold, stats_pair
+from rosecli.kernels.launch_table import fold_copy, fold_norm, kv_in_gemm, skinny_launch, stats_fold, stats_pair
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -166,7 +166,8 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
         launch = stats_fold(x.shape[0], n, x.shape[1], swiglu)
         if launch is None or not _norm_foldable(norm, x, None) or stats.rms != rms:
             return None
-        return skinny_gemm.skinny_stats_norm_linear(x, stats, _norm_fold(norm, linear), b, gelu, launch, swiglu, kv)
+        fold = _norm_fold(norm, linear, fold_copy(x.shape[0]))
+        return skinny_gemm.skinny_stats_norm_linear(x, stats, fold, b, gelu, launch, swiglu, kv)
     if norm is None:
         launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
         return None if launch is None else skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
@@ -177,22 +178,23 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
     return skinny_gemm.skinny_norm_linear(x, normin, linear.weight, b, gelu, launch, swiglu, kv)
 
 
-def _norm_fold(norm: nn.Module, linear: nn.Module) -> skinny_gemm.NormFold:
-    """``norm`` folded into ``linear``'s weights (`skinny_gemm.fold_norm_weights`), made on first use (in a decode
-    graph's warm-up step, outside its capture) and kept on the layer; made again if either's weights change.
-    It is a second copy of the layer's weight, for the small layers the launch table gives 2-64 rows to
-    (GPT-2: 100 MB, SmolLM2-135M: 140 MB in fp16)."""
+def _norm_fold(norm: nn.Module, linear: nn.Module, copy: bool) -> skinny_gemm.NormFold:
+    """``norm`` folded into ``linear`` (`skinny_gemm.fold_norm_weights`), made on first use (in a decode graph's
+    warm-up step, outside its capture) and kept on the layer; made again if either's weights change. With
+    ``copy`` (`launch_table.fold_copy`), a second copy of the layer's weight, for the small layers the launch
+    table gives 2-64 rows to (GPT-2: 100 MB, SmolLM2-135M: 140 MB in fp16); without, [N] vectors only."""
     rms = isinstance(norm, RMSNorm)
     tensors = (norm.weight, linear.weight) + (() if rms else (norm.bias,))
     key = tuple((t.data_ptr(), t._version) for t in tensors)
-    cached = linear.__dict__.get("_rose_norm_fold")
+    attr = "_rose_norm_fold" if copy else "_rose_norm_scale"
+    cached = linear.__dict__.get(attr)
     if cached is not None and cached[0] == key:
         return cached[1]
     if linear.weight.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("a norm fold would be made inside a CUDA graph capture: run the step once before")
     fold = skinny_gemm.fold_norm_weights(linear.weight.detach(), norm.weight.detach(),
-                                         None if rms else norm.bias.detach(), norm.eps, rms)
-    linear.__dict__["_rose_norm_fold"] = (key, fold)
+                                         None if rms else norm.bias.detach(), norm.eps, rms, copy)
+    linear.__dict__[attr] = (key, fold)
     return fold
 
 

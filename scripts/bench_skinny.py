@@ -12,7 +12,8 @@ sweep, in `launch_table.SkinnyLaunch` form.
 the pair: at 2-64 rows the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after; at one row the
 GEMM before and the one after with the norm in its prologue (`launch_table.fold_norm`, else add_norm). Against
 it the pair `launch_table.stats_fold` gives (`skinny_gemm.skinny_linear_add`, then `skinny_stats_norm_linear`)
-on norm-folded copies of the weights and on the weights themselves, the input scaled as read ("scaled"); with
+on norm-folded copies of the weights and on the weights themselves, the GEMM before also writing the stream times
+the norm's scale for the one after ("scaled"); with
 ``--sweep`` each kernel's launches too.
 
     python scripts/bench_skinny.py --pairs [--rows 1 16 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
@@ -113,7 +114,7 @@ def pairs(models, rows_list, sweep: bool) -> None:
                     return skinny_linear(h, wc, bc, gelu, cl, swiglu)
 
                 def pair(wp, fold, p_cfg, c_cfg):
-                    total, st = skinny_linear_add(x, wp, bp, res, rms, p_cfg)
+                    total, st = skinny_linear_add(x, wp, bp, res, rms, p_cfg, fold.scale)
                     return skinny_stats_norm_linear(total, st, fold, bc, gelu, c_cfg, swiglu)
 
                 def t_of(p_cfg, c_cfg, fs=folds):

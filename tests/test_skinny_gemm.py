@@ -142,8 +142,9 @@ STATS_SHAPES = [  # rows, n (the stream's width), k, the producer's launch, the 
 ]
 
 
-# each shape with the fold `launch_table.fold_copy` gives its rows (a copy at 2-64 rows, the input scaled at one),
-# and two cheap multi-row shapes with the other
+# each shape with the fold `launch_table.fold_copy` gives its rows (a copy at 2-64 rows; at one, the layer's own
+# weights, the stream times the norm's scale written by the layer before), and two cheap multi-row shapes with the
+# other
 STATS_CASES = ([case + (case[0] > 1,) for case in STATS_SHAPES]
                + [STATS_SHAPES[0] + (False,), STATS_SHAPES[3] + (False,)])
 
@@ -170,11 +171,13 @@ def test_residual_statistics_pair_matches_add_norm(norm_kind, rows, n, k, produc
     nw = (torch.rand(n, generator=g) * 2 + 0.2).to(half)
     nb = None if rms else (torch.randn(n, generator=g) * 0.5).to(half)
     w2, b2 = (torch.randn(48, n, generator=g) / n ** 0.5).to(half), torch.randn(48, generator=g).to(half)
-    total, stats = skinny_gemm.skinny_linear_add(x, w, b, res, rms, launch=produce)
+    total, stats = skinny_gemm.skinny_linear_add(x, w, b, res, rms, launch=produce, scale=None if copy else nw)
     h_ref, total_ref = norm_kernels.add_norm(skinny_linear(x, w, None, launch=produce), res, nw, nb, 1e-5, b, rms)
     assert torch.equal(total, total_ref)
+    if not copy:  # the sum times the norm's scale, rounded once, beside the sum
+        assert torch.equal(stats.scaled, (total.float() * nw.float()).half())
     fold = skinny_gemm.fold_norm_weights(w2, nw, nb, 1e-5, rms, copy)
-    assert (fold.weight.data_ptr() == w2.data_ptr()) == (not copy)  # scaled in: no copy of the weights
+    assert (fold.weight.data_ptr() == w2.data_ptr()) == (not copy)  # no copy of the weights
     y = skinny_gemm.skinny_stats_norm_linear(total, stats, fold, b2, launch=consume)
     # against the float64 product of the normed sum: within twice the unfused path's own error (add_norm's fp16
     # rows, then the GEMM), give or take an ulp
@@ -185,8 +188,14 @@ def test_residual_statistics_pair_matches_add_norm(norm_kind, rows, n, k, produc
     err, unfused_err = [(t.double() - exact).abs().max().item() for t in (y, unfused)]
     assert err <= 2 * unfused_err + 2 * 2 ** -10 * exact.abs().max().item(), (err, unfused_err)
     # the statistics really are used: a stream scaled by 3 with the old statistics gives another product
-    wrong = skinny_gemm.skinny_stats_norm_linear((total.float() * 3).half(), stats, fold, b2, launch=consume)
+    tripled = (total.float() * 3).half()
+    if not copy:
+        stats = stats._replace(scaled=(stats.scaled.float() * 3).half())
+    wrong = skinny_gemm.skinny_stats_norm_linear(tripled, stats, fold, b2, launch=consume)
     assert (wrong.double() - unfused.double()).abs().max().item() > 0.1
+    if not copy:  # and a fold without a copy refuses statistics that carry no scaled stream
+        with pytest.raises(ValueError, match="scale"):
+            skinny_gemm.skinny_stats_norm_linear(total, stats._replace(scaled=None), fold, b2, launch=consume)
 
 
 def test_residual_statistics_refuse_another_width():
@@ -472,7 +481,7 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
 
 
 # the kernel's variants the decode steps launch: one row (vector products) and tensor-core tiles, each plain, with
-# the norm prologue, writing the stream's statistics, and reading them (a folded copy, or the input scaled as read)
+# the norm prologue, writing the stream's statistics (and the stream times the norm's scale), and reading them
 _COMPILE_VARIANTS = """
 import sys
 from triton import compile
@@ -482,13 +491,13 @@ from rosecli.kernels.skinny_gemm import _skinny_kernel as kernel
 
 failed = []
 for dot in (False, True):
-    for norm, from_stats, res_out, scale_in in ((0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 0), (2, 1, 0, 0), (1, 1, 0, 1)):
+    for norm, from_stats, res_out, scaled in ((0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 1), (2, 1, 0, 0), (1, 1, 0, 0)):
         swiglu = norm == 2 and not res_out
         consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 4, BLOCK_K=128 if dot else 256, SPLIT_K=1,
                       USE_DOT=dot, HAS_BIAS=not swiglu, GELU=False, SWIGLU=swiglu, NORM=norm, HAS_XB=False,
                       HAS_RES=bool(norm) and not from_stats, HAS_NB=norm == 1, KV_STORE=False, KV_HEAD_DIM=1,
                       KV_BLOCK=1, NUM_STAGES=3, PDL=True, FROM_STATS=bool(from_stats), RES_OUT=res_out,
-                      STATS_PAD=32, SCALE_IN=bool(scale_in))
+                      STATS_PAD=32, SCALED_OUT=bool(scaled))
         f32 = {"part_ptr", "st_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
         sig = {n: "constexpr" if n in consts else "fp32" if n == "eps" else "i32" if not n.endswith("_ptr") else
                "*i32" if n == "ticket_ptr" else "*i64" if n == "slot_ptr" else "*fp32" if n in f32 else "*fp16"

@@ -180,12 +180,11 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
 
 
 # The residual stream widths (lo, hi) at which one row takes the pair rather than `fold_norm`'s whole-row prologue (or,
-# past K = 2048, the add_norm kernel); None: none does. The one-row consumer scales its input by the norm's scale as
-# it reads it (`fold_copy`), so no weights are copied. `rose profile --decode-step` at B=1 on the H100, without -> with
-# the pair, one call, twice each: Qwen2.5-1.5B (1536) 1,698 -> 1,565 us (60.2% -> 65.3% of the floor), Llama-3.2-1B
-# (2048) 1,184 -> 1,125 us (69.2% -> 72.8%), Llama-3.1-8B (4096) 5,852 -> 5,651 us (84.9% -> 87.9%); GPT-2 (768) and
-# SmolLM2-135M (576) keep the fold (`scripts/bench_skinny.py --pairs --rows 1`: their pairs 0.56-0.90x of it, the
-# larger models' 1.01-1.13x).
+# past K = 2048, the add_norm kernel); None: none does. At one row no weights are copied (`fold_copy`). `rose profile
+# --decode-step` at B=1 on the H100, without -> with the pair, one call, twice each: Qwen2.5-1.5B (1536) 1,707 ->
+# 1,557 us (59.9% -> 65.7% of the floor), Llama-3.1-8B (4096) 5,951 -> 5,779 us (83.5% -> 86.0%); Llama-3.2-1B (2048)
+# 1,184 -> 1,125 us in another call. GPT-2 (768) and SmolLM2-135M (576) keep the fold (`scripts/bench_skinny.py
+# --pairs --rows 1`: their pairs 0.54-0.90x of it, the larger models' 1.02-1.18x).
 STATS_ONE_ROW_WIDTHS: "tuple[int, int] | None" = (1536, 4096)
 
 
@@ -198,8 +197,11 @@ def stats_pair(rows: int, width: int) -> bool:
 
 def fold_copy(rows: int) -> bool:
     """Whether the layer after the statistics pair reads a norm-folded copy of its weights (`skinny_gemm.NormFold`)
-    rather than its own with the norm's scale applied to each input tile as it is read: at one row the vector
-    products scale the row for nothing measurable and no copy is made."""
+    rather than its own, the layer before writing the stream times the norm's scale beside the stream. Measured on
+    the H100 (`rose profile --decode-step`, one call, twice): without copies at 2-64 rows GPT-2's step was 398 -> 408
+    us (B=16) and 540 -> 548 (B=64), SmolLM2-135M's 750 -> 770 and 893 -> 922, so those rows keep the copies (100-140
+    MB); at one row (the 1.5B-8B widths) the copies would be 1.3-9 GB, and the pair without them is 0.2-2.4 us
+    slower than with them (`scripts/bench_skinny.py --pairs --rows 1`)."""
     return rows > 1
 
 

@@ -34,8 +34,8 @@ column tile's statistics of the sum's rows (`StreamStats`); `skinny_stats_norm_l
 the raw sum with the norm's scale folded into a copy of its weights (`NormFold`) and makes the product the
 normed rows' in its epilogue from each row's mean and 1/std. Normalising each K tile as it is read cost more
 than the add_norm kernel it saved (64 rows x K of float32 arithmetic per program). At one row (the 1.5B-8B
-widths, `launch_table.stats_pair`) the layer after reads its own weights and scales each input tile by the norm's
-scale as it reads it (`NormFold.scale`): no copy. ``ROSE_NORM_STATS=0`` keeps the add_norm kernel.
+widths, `launch_table.stats_pair`) the layer before also writes the sum times the norm's scale, which the layer after
+reads with its own weights (`NormFold.scale`): no copy. ``ROSE_NORM_STATS=0`` keeps the add_norm kernel.
 """
 
 from __future__ import annotations
@@ -135,12 +135,18 @@ def _store_partials(st_ptr, y, rm, rn, store_rows, nmask, pid_n, tiles, count, N
 
 
 @triton.jit
-def _stats_load(st_ptr, rm, mmask, tiles, TILES_PAD: tl.constexpr):
-    """The partials `_store_partials` wrote for rows ``rm``: ([BLOCK_M, TILES_PAD] x 2, 0 past the tiles)."""
+def _stats_load(st_ptr, rm, mmask, tiles, TILES_PAD: tl.constexpr, NORM: tl.constexpr):
+    """The partials `_store_partials` wrote for rows ``rm``: ([BLOCK_M, TILES_PAD] x 2, 0 past the tiles; RMSNorm's
+    second, all 0, not read)."""
     t = tl.arange(0, TILES_PAD)
     mask = mmask[:, None] & (t < tiles)[None, :]
     p = st_ptr + (rm[:, None] * tiles + t[None, :]) * 2
-    return tl.load(p, mask=mask, other=0.0), tl.load(p + 1, mask=mask, other=0.0)
+    a = tl.load(p, mask=mask, other=0.0)
+    if NORM == 1:
+        b = tl.load(p + 1, mask=mask, other=0.0)
+    else:
+        b = a * 0.0
+    return a, b
 
 
 @triton.jit
@@ -173,19 +179,6 @@ def _unfold_norm(acc, mean, rstd, c_ptr, d_ptr, cols, cmask, NORM: tl.constexpr,
 
 
 @triton.jit
-def _scaled_in(x, sc_ptr, kk, kmask, SCALE_IN: tl.constexpr, USE_DOT: tl.constexpr):
-    """An input tile of the raw stream times the norm's scale at columns ``kk`` (`NormFold` without a folded copy);
-    in float32 for one row's vector products, rounded to the stream's dtype for ``tl.dot``."""
-    if SCALE_IN:  # (one return: Triton takes one type per function)
-        xs = x.to(tl.float32) * tl.load(sc_ptr + kk, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        if USE_DOT:
-            xs = xs.to(x.dtype)
-    else:
-        xs = x
-    return xs
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
                    kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
                    k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles, st_width,
@@ -194,7 +187,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
-                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALE_IN: tl.constexpr):
+                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -225,12 +218,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
-    if FROM_STATS:  # x is the raw residual stream, the weights are norm-folded (or SCALE_IN: x is scaled as it
-        # is read); its rows' statistics (written by the GEMM before) are loaded beside its first tile and
-        # combined in the epilogue
+    if FROM_STATS:  # x is the residual stream (with norm-folded weights) or the stream times the norm's scale (with
+        # the layer's own), as the GEMM before wrote it; its rows' statistics (written by that GEMM too) are
+        # loaded beside its first tile and combined in the epilogue
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        x = _scaled_in(x, sc_ptr, k_lo + rk, kmask, SCALE_IN, USE_DOT)
-        st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD)
+        st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD, NORM)
     elif NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
         # once for the statistics and the product; the first column tile's programs store the sum
         sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)
@@ -253,7 +245,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         kmask = (k + rk) < k_hi
         wmask = nmask[:, None] & kmask[None, :]
         x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (whole-row NORM: no second tile)
-        x = _scaled_in(x, sc_ptr, k + rk, kmask, SCALE_IN, USE_DOT)
         w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w))
@@ -306,6 +297,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         y = y.to(dt).to(tl.float32)
         count = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
         _store_partials(st_ptr, y, rm, rn, store_rows, nmask, pid_n, tl.num_programs(0), count, RES_OUT)
+        if SCALED_OUT:  # also the sum times the next norm's scale (g_ptr), the next GEMM's input: [M, N]
+            g = tl.load(g_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(sc_ptr + rm[:, None] * N + rn[None, :], (y * g[None, :]).to(dt), mask=out_mask)
     else:
         if HAS_BIAS:
             b = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
@@ -402,20 +396,23 @@ class StreamStats(NamedTuple):
     """Each row's statistics of a residual stream, for the norm after it, as the epilogue of `skinny_linear_add`
     wrote them: partials per column tile of ``width`` ([M, tiles, 2] float32; LayerNorm's tile mean and sum of
     squared deviations, or RMSNorm's sum of squares), combined by the next GEMM's prologue
-    (`skinny_stats_norm_linear`)."""
+    (`skinny_stats_norm_linear`); and, if it was asked to, the stream times the norm's scale (``scaled``)."""
     partials: torch.Tensor
     width: int
     rms: bool
+    scaled: Optional[torch.Tensor] = None  # [M, N] in the stream's dtype
 
 
 def skinny_linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                      rms: bool, launch: Optional[SkinnyLaunch] = None) -> tuple[torch.Tensor, StreamStats]:
+                      rms: bool, launch: Optional[SkinnyLaunch] = None,
+                      scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, StreamStats]:
     """A linear layer and the residual add after it in one launch: ``sum = x @ W^T (+ bias) + residual`` with
     `norm.add_norm`'s arithmetic (the product rounded, then the bias and the residual added in float32 and
     rounded once: the bias deferred to the add, as `common.linear_deferring_bias` does), and the statistics of
-    the sum's rows for the ``rms`` (else LayerNorm) norm after it: ``(sum, StreamStats)``."""
+    the sum's rows for the ``rms`` (else LayerNorm) norm after it: ``(sum, StreamStats)``. ``scale`` (the norm's
+    scale): the statistics also carry ``sum * scale``, rounded, the input of a `NormFold` without a copy."""
     assert residual.shape == (x.shape[0], weight.shape[0]) and residual.stride(1) == 1
-    return _launch(x, weight, bias, False, launch, False, None, None, res_out=(residual, rms))
+    return _launch(x, weight, bias, False, launch, False, None, None, res_out=(residual, rms, scale))
 
 
 class NormFold(NamedTuple):
@@ -423,21 +420,21 @@ class NormFold(NamedTuple):
     ``linear(norm(s)) = rstd * (s @ weight^T - mean * colsum) + shift`` per row of mean ``mean`` and 1/std
     ``rstd`` (RMSNorm: ``rstd * s @ weight^T``), where ``weight`` is the layer's with the norm's scale
     multiplied into its columns, so the GEMM reads the raw residual stream and the norm is two per-row numbers
-    in its epilogue. With ``scale``, ``weight`` is the layer's own and the kernel multiplies each input tile by
-    the scale as it reads it (no copy of the weights)."""
+    in its epilogue. With ``scale``, ``weight`` is the layer's own (no copy) and the GEMM reads the stream times
+    ``scale``, which the GEMM before wrote beside the stream (`skinny_linear_add`'s ``scale``)."""
     weight: torch.Tensor  # the weights the GEMM reads: norm-folded (in the weight's dtype), or with `scale` its own
     colsum: Optional[torch.Tensor]  # [rows of weight] float32: each output's sum of the folded weights (LayerNorm)
     shift: Optional[torch.Tensor]  # [rows of weight] float32: the norm's shift through the layer (LayerNorm's bias)
     eps: float
     rms: bool
-    scale: Optional[torch.Tensor] = None  # [K] the norm's scale, applied to the input in the kernel (no copy)
+    scale: Optional[torch.Tensor] = None  # [K] the norm's scale, for the GEMM before to apply (no copy)
 
 
 def fold_norm_weights(weight: torch.Tensor, norm_weight: torch.Tensor, norm_bias: Optional[torch.Tensor],
                       eps: float, rms: bool, copy: bool = True) -> NormFold:
     """`NormFold` of a LayerNorm (``rms``: RMSNorm) of scale ``norm_weight`` and shift ``norm_bias`` into a linear
     layer of ``weight`` ([N, K], or a fused gate/up [2N, K]): with ``copy``, a new weight tensor of the same size;
-    without, the norm's scale is kept to scale the input in the kernel, and only [N] vectors are made."""
+    without, the norm's scale is kept for the GEMM before to apply to the stream, and only [N] vectors are made."""
     if copy:
         folded = (weight.float() * norm_weight.float()[None, :]).to(weight.dtype)
         colsum = None if rms else folded.float().sum(1)
@@ -453,17 +450,23 @@ def skinny_stats_norm_linear(total: torch.Tensor, stats: StreamStats, fold: Norm
                              launch: Optional[SkinnyLaunch] = None, swiglu: bool = False,
                              kv: Optional[KVOut] = None) -> torch.Tensor:
     """``linear(norm(total))`` in one launch, ``total`` the residual stream `skinny_linear_add` wrote with
-    ``stats``, the norm folded into the layer's weights (``fold``): a plain product of the stream, made the
-    normed rows' product in the epilogue. The normed rows are never formed, so the result is not rounded as
-    `norm.add_norm` then the GEMM round it: the same to fp16's rounding of the product, not bit for bit."""
+    ``stats``, the norm folded into the layer's weights (``fold``): a plain product of the stream (or, for a fold
+    without a copy, of ``stats.scaled``), made the normed rows' product in the epilogue. The normed rows are never
+    formed, so the result is not rounded as `norm.add_norm` then the GEMM round it: the same to fp16's rounding of
+    the product, not bit for bit."""
     assert fold.rms == stats.rms
+    if fold.scale is not None:
+        if stats.scaled is None:
+            raise ValueError("a norm fold without a copy needs the stream times the norm's scale: "
+                             "give skinny_linear_add the scale")
+        total = stats.scaled
     return _launch(total, fold.weight, bias, gelu, launch, swiglu, None, kv, stats=(stats, fold))[0]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], gelu: bool,
             launch: Optional[SkinnyLaunch], swiglu: bool, norm: Optional[NormIn], kv: Optional[KVOut],
             stats: Optional[tuple[StreamStats, NormFold]] = None,
-            res_out: Optional[tuple[torch.Tensor, bool]] = None):
+            res_out: Optional[tuple[torch.Tensor, bool, Optional[torch.Tensor]]] = None):
     M, K = x.shape
     N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     assert not (swiglu and (gelu or bias is not None)), "swiglu takes no bias or gelu"
@@ -498,16 +501,20 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     else:
         part = ticket = y
     n = norm or NormIn(None, None, y, None, 0.0, False)  # (unused pointers stand in for those absent)
-    scale = None
     if stats is not None:  # the fold's colsum and shift take the norm's scale and shift pointers
         fold = stats[1]
         n = NormIn(None, None, fold.colsum if fold.colsum is not None else y, fold.shift, fold.eps, fold.rms)
-        scale = fold.scale
+    scaled = None
     residual = n.residual if res_out is None else res_out[0]
     out_stats = None
     if res_out is not None:  # this kernel writes the statistics
+        scale = res_out[2]
+        if scale is not None:  # (the norm's scale takes the prologue's scale pointer; the product its own output)
+            assert scale.shape == (N,)
+            n = NormIn(None, None, scale, None, 0.0, False)
+            scaled = torch.empty((M, N), dtype=x.dtype, device=x.device)
         out_stats = StreamStats(torch.empty((M, grid[0], 2), dtype=torch.float32, device=x.device), cfg.block_n,
-                                res_out[1])
+                                res_out[1], scaled)
         st, tiles, width = out_stats.partials, grid[0], cfg.block_n
     elif stats is not None:  # ... or reads them
         st, tiles, width = stats[0].partials, stats[0].partials.shape[1], stats[0].width
@@ -519,7 +526,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
                          n.x_bias if n.x_bias is not None else y, residual if residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
-                         *(kv if kv is not None else (y, y, y)), st, scale if scale is not None else y,
+                         *(kv if kv is not None else (y, y, y)), st, scaled if scaled is not None else y,
                          M, N, K, x.stride(0), weight.stride(0),
                          y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, n.eps,
                          N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads, tiles, width,
@@ -531,7 +538,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          KV_HEAD_DIM=head_dim, KV_BLOCK=kv_block, NUM_STAGES=cfg.num_stages, PDL=pdl,
                          FROM_STATS=stats is not None,
                          RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
-                         STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALE_IN=scale is not None,
+                         STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALED_OUT=scaled is not None,
                          num_warps=cfg.num_warps, launch_pdl=pdl)
     if out_stats is not None:
         return y, out_stats

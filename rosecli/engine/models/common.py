@@ -288,8 +288,9 @@ def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch
                 and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
                 and after.weight.shape[1] == width and (not swiglu or after.bias is None)
                 and stats_fold(rows, after.weight.shape[0] // (2 if swiglu else 1), width, swiglu) is not None):
+            scale = None if fold_copy(rows) else norm.weight  # (no copy: this kernel also writes sum * scale)
             total, stats = skinny_gemm.skinny_linear_add(x, linear.weight, linear.bias, residual,
-                                                         isinstance(norm, RMSNorm), launch)
+                                                         isinstance(norm, RMSNorm), launch, scale)
             return stats, total, None
     y, bias = linear_deferring_bias(linear, x, fused)
     return y, residual, bias

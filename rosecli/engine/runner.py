@@ -177,8 +177,9 @@ class ModelRunner:
         # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
         self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}
-        # (batch, host bitmask index) -> a masked-argmax graph and the ids it writes (`_masked_greedy_ids`)
-        self._masked_replays: dict[tuple[int, int, bool], tuple] = {}
+        # (batch, host bitmask index, copy aside, flip) -> a masked-argmax graph and its ids (`_masked_greedy_ids`)
+        self._masked_replays: dict[tuple[int, int, bool, int], tuple] = {}
+        self._ids_on_host = False  # the step's ids already queued for the host (`_fetch` skips its copy)
         self._device_bound = False  # the last `_pending_reader` found the step before still running
         self._stream: Optional[torch.cuda.Stream] = None  # the stream the steps run on (`_fetch`)
         self._sampler_pool = None
@@ -615,7 +616,7 @@ class ModelRunner:
             # all ones, so their argmax is the model's (no sampler kernels for anyone)
             if self._masked_greedy and self.structured.fill(
                     seqs, self._pending_reader(last_rows, flip ^ 1), PENDING) is not None:
-                return self._masked_greedy_ids(logits, static)
+                return self._masked_greedy_ids(logits, static, flip)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
         st = self.sampler
@@ -640,12 +641,13 @@ class ModelRunner:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
 
-    def _masked_greedy_ids(self, logits: torch.Tensor, static: bool) -> torch.Tensor:
+    def _masked_greedy_ids(self, logits: torch.Tensor, static: bool, flip: int) -> torch.Tensor:
         """The argmax of ``logits`` under the bitmask the structured output's last fill wrote. On
         CUDA one masked argmax (`kernels.argmax.masked_argmax`: the logits are not rewritten);
-        from a decode graph's logits, the bitmask's copy to the device and the argmax are a graph
-        of their own (one launch: the host's time per step is what a grammar step costs), which
-        writes the ids straight into the token pool the next decode step reads."""
+        from a decode graph's logits, the bitmask's copy to the device, the argmax and the ids' copy
+        back to the host (``flip``'s buffer, for `_fetch`) are a graph of their own (one launch: the
+        host's time per step is what a grammar step costs), which writes the ids straight into the
+        token pool the next decode step reads."""
         so = self.structured
         B = logits.shape[0]
         if not (self.is_cuda and self.use_triton):
@@ -658,13 +660,14 @@ class ModelRunner:
         # the bitmask's copy: inside the graph (one launch) while the host bounds the step; on a copy
         # stream beside the forward when the device does (the host found the step before still running)
         aside = self._device_bound if MASK_COPY_ASIDE is None else MASK_COPY_ASIDE
-        key = (B, so.filled_index(), aside)
+        key = (B, so.filled_index(), aside, flip)
         hit = self._masked_replays.get(key)
         if hit is not None:  # (the usual step: one lookup and one replay)
             graph, ids, rows = hit
             if aside:
                 so.stage_bitmask(rows, aside=True)
             graph.replay()
+            self._ids_on_host = True
             return ids
         rows = self.padded_batch(B)  # the graph's whole logits buffer: one capture per graph size
         full = self.graphs[rows].logits
@@ -672,7 +675,11 @@ class ModelRunner:
         bits = so.stage_bitmask(rows, aside=aside)
         masked_argmax(full, bits, out=out)  # this step's answer; loads the kernels
         if len(self._masked_replays) < MAX_SAMPLER_GRAPHS:
-            g = self._capture(lambda: masked_argmax(full, bits if aside else so.stage_bitmask(rows), out=out))
+            def step() -> torch.Tensor:
+                masked_argmax(full, bits if aside else so.stage_bitmask(rows), out=out)
+                return self.h_sampled[flip][:rows].copy_(out, non_blocking=True)  # (`_fetch` need not)
+
+            g = self._capture(step)
             if g is not None:
                 self._masked_replays[key] = (g.graph, out[:B], rows)
         return out[:B]
@@ -741,7 +748,10 @@ class ModelRunner:
             out = self.np_sampled[flip]
             out[:batch] = ids.numpy()
             return out, None, lp
-        self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
+        if self._ids_on_host:  # (the masked-argmax graph copied them)
+            self._ids_on_host = False
+        else:
+            self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
         if lp is not None:
             rows, ks, packed = lp
             if self._h_lp[flip] is None:

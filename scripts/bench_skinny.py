@@ -126,7 +126,7 @@ def pairs(models, rows_list, sweep: bool) -> None:
                         return math.inf
 
                 t_plain = graph_time_us([lambda wp=wp, wc=wc: plain(wp, wc) for wp, wc in zip(wps, wcs)])
-                table = stats_fold(M, D, Kp)
+                table = stats_fold(M, D, Kp, before=True)
                 t_pair = t_of(table, stats_fold(M, n2, D, swiglu))
                 t_scaled = t_of(table, stats_fold(M, n2, D, swiglu), scaled)
                 line = (f"{model:8s} {before}+norm+{after} M={M:<3d} without the pair {t_plain:6.2f} us | pair "
@@ -135,9 +135,14 @@ def pairs(models, rows_list, sweep: bool) -> None:
                 if sweep:
                     cands = [SkinnyLaunch(bn, bk, sp, 4, st) for bn, bk, sp, st
                              in itertools.product((16, 32, 64), (128, 256), (1, 4), (3, 4))]
-                    best_p = min(cands, key=lambda c: t_of(c, stats_fold(M, n2, D, swiglu)))
-                    best_c = min([c for c in cands if c.split_k == 1], key=lambda c: t_of(best_p, c))
-                    line += f" | best {t_of(best_p, best_c):6.2f} us before {tuple(best_p)} after {tuple(best_c)}"
+                    if M == 1:  # vector products: columns per program, K step, warps, stages
+                        cands = [SkinnyLaunch(bn, bk, 1, nw, st) for bn, bk, nw, st
+                                 in itertools.product((4, 8, 16), (256, 512), (2, 4), (3, 4))]
+                    fs = folds if M > 1 else scaled  # (the fold the table gives these rows)
+                    best_p = min(cands, key=lambda c: t_of(c, stats_fold(M, n2, D, swiglu), fs))
+                    best_c = min([c for c in cands if c.split_k == 1], key=lambda c: t_of(best_p, c, fs))
+                    line += (f" | best {t_of(best_p, best_c, fs):6.2f} us before {tuple(best_p)} "
+                             f"after {tuple(best_c)}")
                 print(line, flush=True)
             del wps, wcs, folds, scaled
 

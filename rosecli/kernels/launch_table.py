@@ -158,12 +158,13 @@ def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":
     return None
 
 
-def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch | None":
+def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = False) -> "SkinnyLaunch | None":
     """The launch, at 2-64 rows, of the skinny GEMM before a residual add and a norm that also adds the residual
     and writes each row's statistics of the sum (`skinny_gemm.skinny_linear_add`), and of the one after the
     norm, which reads the raw sum with the norm folded into its weights (`skinny_gemm.skinny_stats_norm_linear`),
     in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
-    At one row, the plain one-row launch, for the widths `stats_pair` gives it (elsewhere `fold_norm`).
+    At one row, for the widths `stats_pair` gives it (elsewhere `fold_norm`), a one-row launch with 512-wide K steps
+    and 3 stages, 4 warps for the GEMM ``before`` the norm at K >= 4096, else 2.
 
     Measured on the H100. A sweep of each GPT-2 / SmolLM2-135M pair at 64 rows (weights in L2) found 32-column,
     128-wide K tiles with 4 stages best or within 0.3 us of it for all eight kernels; the plain table's 2-warp
@@ -171,9 +172,14 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLaunch
     `scripts/bench_skinny.py --pairs` (weights past L2), GEMM + add_norm + GEMM -> the pair, us at 16 / 64 rows:
     GPT-2 attn_proj+c_fc 9.0 -> 9.3 / 12.8 -> 10.6, mlp_proj+c_attn 11.7 -> 10.9 / 13.5 -> 12.3; SmolLM2 o+gate_up
     8.8 -> 7.2 / 10.1 -> 8.8, down+qkv 8.4 -> 8.1 / 10.0 -> 9.3. Whole decode steps (`rose profile --decode-step`):
-    GPT-2 447 -> 402 us (B=16), 594 -> 542 (B=64); SmolLM2 850 -> 747, 1013 -> 892."""
+    GPT-2 447 -> 402 us (B=16), 594 -> 542 (B=64); SmolLM2 850 -> 747, 1013 -> 892.
+    One row, `scripts/bench_skinny.py --pairs --rows 1 --sweep` (columns per program, K step, warps, stages), the
+    plain one-row table's launches -> the best found, us per pair: Llama-3-8B o+gate_up 93.7 -> 91.1 (4 warps
+    before, 2 after), down+qkv 63.8 -> 59.0 (the same); Qwen2.5-1.5B o+gate_up 25.3 -> 23.5, down+qkv 15.3 -> 15.3;
+    Llama-3.2-1B o+gate_up 30.2 -> 28.8, down+qkv 19.0 -> 19.0. Every best had 4 columns and 512-wide K steps,
+    most 3 stages."""
     if rows == 1:  # (whether one row takes the pair at all is `stats_pair`'s to say)
-        return skinny_launch(1, n, k, swiglu)
+        return SkinnyLaunch(4, 512, 1, 4 if before and k >= 4096 else 2, 3)
     if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)

@@ -283,7 +283,7 @@ def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch
     `linear_deferring_bias`: ``(y, residual, bias)``."""
     if NORM_STATS and residual is not None and _skinny_takes(linear, x, fused):  # (a plain nn.Linear: .weight)
         rows, width = x.shape[0], linear.weight.shape[0]
-        launch = stats_fold(rows, width, x.shape[1]) if stats_pair(rows, width) else None
+        launch = stats_fold(rows, width, x.shape[1], before=True) if stats_pair(rows, width) else None
         if (launch is not None and _norm_foldable(norm, residual, None) and residual.dtype == x.dtype
                 and residual.shape == (rows, width) and residual.stride(1) == 1 and type(after) is nn.Linear
                 and after.weight.shape[1] == width and (not swiglu or after.bias is None)

@@ -321,6 +321,10 @@ def test_residual_statistics_table(monkeypatch):
     assert not any(stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096))
     assert all(stats_pair(rows, w) for rows in (2, 64) for w in (576, 4096)) and not stats_pair(65, 768)
     assert stats_fold(1, 3072, 2048) is not None and stats_fold(1, 8192, 2048, True) is not None
+    # one row: 512-wide K steps, 3 stages; 4 warps only for the GEMM before the norm at K >= 4096 (Llama-3-8B's o, down)
+    assert stats_fold(1, 6144, 4096) == SkinnyLaunch(4, 512, 1, 2, 3)
+    assert stats_fold(1, 4096, 14336, before=True).num_warps == 4
+    assert stats_fold(1, 1536, 1536, before=True).num_warps == 2
 
 
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):

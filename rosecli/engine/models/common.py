@@ -277,10 +277,10 @@ def linear_residual(linear: nn.Module, x: torch.Tensor, residual: Optional[torch
     """A linear layer whose output is added to the residual stream and normed next, by a norm of ``norm``'s kind
     for a linear layer of ``after``'s kind (a fused gate/up one with ``swiglu``): ``(x, residual, x_bias)`` for
     the `norm_linear`, `norm_qkv` or `add_norm` after it. Fused, where `launch_table.stats_pair` says so (2-64
-    rows) and `stats_fold` gives both layers a launch, one skinny kernel
-    also adds the bias and ``residual`` and writes the statistics of the sum's rows, which the next layer's
-    kernel turns into the norm (no add_norm kernel between): ``(StreamStats, sum, None)``. Otherwise
-    `linear_deferring_bias`: ``(y, residual, bias)``."""
+    rows; one row at the 1.5B-8B widths) and `stats_fold` gives both layers a launch, one skinny kernel also adds
+    the bias and ``residual`` and writes the statistics of the sum's rows (and, where `launch_table.fold_copy`
+    says no copy, the sum times the norm's scale), which the next layer's kernel turns into the norm (no add_norm
+    kernel between): ``(StreamStats, sum, None)``. Otherwise `linear_deferring_bias`: ``(y, residual, bias)``."""
     if NORM_STATS and residual is not None and _skinny_takes(linear, x, fused):  # (a plain nn.Linear: .weight)
         rows, width = x.shape[0], linear.weight.shape[0]
         launch = stats_fold(rows, width, x.shape[1], before=True) if stats_pair(rows, width) else None

@@ -129,6 +129,21 @@ def test_rotary_kv_matches_rotation_and_store(device, dtype, tokens, heads, kv_h
         assert torch.equal(*rows)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads,qk_norm", [(6, 3, False), (5, 1, True)])
+def test_rotary_kv_any_heads_per_program(group, heads, kv_heads, qk_norm):
+    """Every grouping of heads into programs (`launch_table.rotary_launch`'s choice), including groups that hold
+    q and k heads both, end past the last head, or hold one head, rotates and stores as the reference does."""
+    from rosecli.kernels.rotary import rotary_kv, rotary_kv_ref
+
+    case, guarded = _rotary_case(3, heads, kv_heads, 64, torch.float32, qk_norm, seed=group)
+    want = [t.clone() for t in (case[0], *guarded)]
+    rotary_kv_ref(want[0], *case[1:4], want[1][1:], want[2][1:], *case[6:])
+    rotary_kv(*case, group=group)
+    for got, ref in zip((case[0], *guarded), want):
+        torch.testing.assert_close(got, ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim,qk_norm", [

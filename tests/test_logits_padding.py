@@ -210,6 +210,60 @@ def test_the_decode_graphs_forward_gives_the_tokens_and_logprobs_of_the_plain_on
         assert ta == tb and [t for t, _ in topa] == [t for t, _ in topb] and lb == pytest.approx(la, abs=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_requests_that_read_the_logits_joining_an_all_greedy_batch_read_this_steps(kind):
+    """While every request is plain greedy the decode graph's forward skips writing its float32 logits
+    (`ModelRunner._logits_wanted`). A request with logprobs, then a sampled one, that join such a batch later must
+    read the logits of their own steps, and the greedy one goes on unchanged: every token and logprob is the plain
+    path's (which always writes them). A flag left off would hand them an earlier step's logits."""
+    hf = tiny_hf_model(kind, seed=6)
+    prompts = [[5, 9, 33], [12, 44, 3, 8], [7, 7, 90]]
+    params = [SamplingParams(max_new_tokens=14, stop_on_eos=False),
+              SamplingParams(max_new_tokens=4, stop_on_eos=False, logprobs=2),
+              SamplingParams(max_new_tokens=4, stop_on_eos=False, temperature=0.8, seed=3)]
+
+    def run(graph_path):
+        with vocab_padding(PAD if graph_path else 1):
+            sch = tiny_scheduler(hf, block_size=4, num_gpu_blocks=64)
+        sch.runner.use_graphs = graph_path  # (the graphs' forward, run eagerly on the CPU)
+        ids, got, stored = [sch.add_request(prompts[0], params[0])], {}, []
+        for step in range(60):
+            if step in (3, 9):  # joins while only plain greedy requests run
+                i = len(ids)
+                ids.append(sch.add_request(prompts[i], params[i]))
+            if not sch.has_unfinished():
+                break
+            for rid, tok in sch.step().items():
+                got.setdefault(rid, {"tokens": [], "logprobs": []})["tokens"].append(tok)
+            for rid, e in sch.step_logprobs.items():
+                got[rid]["logprobs"].append((e.token_id, e.logprob, e.top))
+            stored.append(sch.runner._storing_logits)
+        return [got[i] for i in ids], stored
+
+    (plain, _), (graph, stored) = run(False), run(True)
+    assert False in stored and True in stored and stored[-1] is False  # the write was skipped, then made, then not
+    assert [r["tokens"] for r in graph] == [r["tokens"] for r in plain]
+    assert len(graph[1]["logprobs"]) == 4
+    for (ta, la, topa), (tb, lb, topb) in zip(plain[1]["logprobs"], graph[1]["logprobs"]):
+        assert ta == tb and [t for t, _ in topa] == [t for t, _ in topb] and lb == pytest.approx(la, abs=1e-4)
+
+
+def test_the_logits_are_written_only_while_the_flag_is_set():
+    """`logits_argmax`'s ``store_flag``: the argmax either way; the float32 logits only when the flag is non-zero."""
+    from rosecli.kernels.argmax import _split_argmax
+
+    raw = torch.randn(3, 700, generator=torch.Generator().manual_seed(1)).half()
+    want_logits, want_ids = logits_argmax_ref(raw, 650)
+    for flag in (0, 1):
+        out = torch.full((3, 650), NAN)
+        ids = _split_argmax(raw, 650, None, out, store_flag=torch.tensor([flag], dtype=torch.int32))
+        assert ids.tolist() == want_ids.tolist()
+        if flag:
+            assert torch.equal(out, want_logits)
+        else:
+            assert out.isnan().all()
+
+
 def test_the_sampler_never_returns_a_padded_id():
     """At temperature 100 every id is about equally likely: were the 44 padding columns (logit 0)
     sampled, some of 4 x 60 draws would land there (probability 1 - (256/300)^240)."""

@@ -92,10 +92,11 @@ class Attention(nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, kv_stored: bool = False, after_gemm: bool = False) -> torch.Tensor:
         """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
         ``kv_stored``: the caller has put k and v into this layer's cache already (`rosecli.kernels.rotary`,
-        `models.common.norm_qkv`)."""
+        `models.common.norm_qkv`); ``after_gemm``: the kernel before this one is the q/k/v GEMM itself (the
+        decode kernel is then not launched early: `paged_decode.paged_decode_attention`'s ``early``)."""
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -116,7 +117,7 @@ class Attention(nn.Module):
             elif meta.use_triton:
                 out = paged_decode.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                           meta.context_lens, self.scale, meta.max_context_len,
-                                                          window=self.sliding_window)
+                                                          window=self.sliding_window, early=not after_gemm)
             else:
                 out = paged_decode.paged_decode_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables,
                                                               meta.context_lens, self.scale, meta.max_context_len,

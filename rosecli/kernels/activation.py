@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rosecli.kernels.pdl import pdl_begin, use_pdl
+
 BLOCK = 1024
 
 
@@ -42,7 +44,8 @@ def silu(g):
 
 
 @triton.jit
-def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
+def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -53,7 +56,8 @@ def _bias_gelu_kernel(x_ptr, b_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, numel, F_DIM, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     row = offs // F_DIM
@@ -69,7 +73,9 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     numel = x.numel()
     if numel:
-        _bias_gelu_kernel[(triton.cdiv(numel, BLOCK),)](x, bias, out, numel, x.shape[1], BLOCK=BLOCK, num_warps=4)
+        pdl = use_pdl(x.device, "activation")
+        _bias_gelu_kernel[(triton.cdiv(numel, BLOCK),)](x, bias, out, numel, x.shape[1], BLOCK=BLOCK, PDL=pdl,
+                                                        num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -79,5 +85,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, f2 // 2), dtype=gate_up.dtype, device=gate_up.device)
     numel = out.numel()
     if numel:
-        _silu_mul_kernel[(triton.cdiv(numel, BLOCK),)](gate_up, out, numel, f2 // 2, BLOCK=BLOCK, num_warps=4)
+        pdl = use_pdl(gate_up.device, "activation")
+        _silu_mul_kernel[(triton.cdiv(numel, BLOCK),)](gate_up, out, numel, f2 // 2, BLOCK=BLOCK, PDL=pdl,
+                                                       num_warps=4, launch_pdl=pdl)
     return out

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rosecli.kernels.pdl import pdl_begin, use_pdl
+
 MIN_CHUNK, MAX_CHUNK = 512, 4096  # columns per stage-1 program
 TARGET_PROGRAMS = 1024  # stage-1 programs worth having before chunks grow (several per SM of an H100)
 
@@ -35,7 +37,9 @@ def argmax_ref(x: torch.Tensor, n_cols: Optional[int] = None) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["n_chunks"])  # (varies with the batch: no recompile per divisibility)
 def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stride, n_cols, row_stride, n_chunks,
-                           CHUNK: tl.constexpr, STORE: tl.constexpr, MASKED: tl.constexpr):
+                           flag_ptr, CHUNK: tl.constexpr, STORE: tl.constexpr, STORE_IF: tl.constexpr,
+                           MASKED: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -45,7 +49,11 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stri
         words = tl.load(bits_ptr + row * bits_stride + cols // 32, mask=mask, other=0)
         x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
     if STORE:  # the row's first n_cols values in float32, contiguous (`logits_argmax`)
-        tl.store(out_ptr + row * n_cols + cols, x, mask=mask)
+        if STORE_IF:  # ... only while the device flag is set
+            if tl.load(flag_ptr) != 0:
+                tl.store(out_ptr + row * n_cols + cols, x, mask=mask)
+        else:
+            tl.store(out_ptr + row * n_cols + cols, x, mask=mask)
     nan = x != x
     first_nan = tl.min(tl.where(nan, cols, n_cols), 0)  # n_cols: none
     m = tl.max(tl.where(nan, float("-inf"), x), 0)
@@ -57,7 +65,8 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stri
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr):
+def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < n_chunks
@@ -83,7 +92,7 @@ def chunk_for(rows: int, n_cols: int) -> int:
 
 def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
                   out: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None,
-                  ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  ids: Optional[torch.Tensor] = None, store_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
     rows, width = x.shape
     n_cols = width if n_cols is None else n_cols
     if not 0 < n_cols <= width:
@@ -101,12 +110,17 @@ def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
     if masked:
         assert bitmask.dtype == torch.int32 and bitmask.stride(1) == 1 and bitmask.shape[0] >= rows
         assert bitmask.shape[1] * 32 >= n_cols, "the bitmask holds fewer columns than the argmax reads"
+    # (`kernels.pdl`; not the masked argmax, whose stream may wait on the bitmask's copy beside it just before)
+    pdl = not masked and use_pdl(x.device, "argmax")
     _argmax_partial_kernel[(rows, n_chunks)](x, vals, idx, vals if out is None else out,
                                              bitmask if masked else vals, bitmask.stride(0) if masked else 0,
-                                             n_cols, x.stride(0), n_chunks, CHUNK=chunk, STORE=out is not None,
-                                             MASKED=masked, num_warps=4 if chunk <= 2048 else 8)
-    _argmax_final_kernel[(rows,)](vals, idx, ids, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)),
-                                  num_warps=1 if n_chunks <= 128 else 2)
+                                             n_cols, x.stride(0), n_chunks, vals if store_flag is None else store_flag,
+                                             CHUNK=chunk, STORE=out is not None, STORE_IF=store_flag is not None,
+                                             MASKED=masked, PDL=pdl, num_warps=4 if chunk <= 2048 else 8,
+                                             launch_pdl=pdl)
+    pdl = use_pdl(x.device, "argmax")
+    _argmax_final_kernel[(rows,)](vals, idx, ids, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)), PDL=pdl,
+                                  num_warps=1 if n_chunks <= 128 else 2, launch_pdl=pdl)
     return ids
 
 
@@ -123,13 +137,16 @@ def logits_argmax_ref(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, tor
     return logits, logits.argmax(dim=-1)
 
 
-def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None,
+                  store_flag: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits_argmax_ref` in the same two launches as `argmax`: stage 1 also writes the float32
     logits, so the conversion of the GEMM's output (one kernel and a write) and the argmax (a
     second read of what it wrote) become one pass over the GEMM's output. Bit-equal to the
-    reference: float16/bfloat16 -> float32 is exact."""
+    reference: float16/bfloat16 -> float32 is exact. ``store_flag`` (int32 [1] on the device): the
+    logits are written only while it is non-zero (a CUDA graph of a greedy step whose logits nobody
+    reads skips the write, 4 bytes per vocabulary entry and row); otherwise the buffer is left as it was."""
     logits = torch.empty((raw.shape[0], n_cols), dtype=torch.float32, device=raw.device)
-    return logits, _split_argmax(raw, n_cols, chunk, logits)
+    return logits, _split_argmax(raw, n_cols, chunk, logits, store_flag=store_flag)
 
 
 MASKED_CHUNK = 2048  # one chunk size for every batch: the masked argmax runs outside the decode graphs,

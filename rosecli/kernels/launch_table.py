@@ -69,9 +69,18 @@ PREFILL = ((16, (16, 64, 4, 2)), (math.inf, (64, 64, 4, 2)))
 STORE_WARPS = ((256, 1), (1024, 4), (math.inf, 8))
 
 # --- rotary + KV store (`rotary.rotary_kv`) -------------------------------------------------------
-# num_warps by head_dim (one program per token and q or k head rotates head_dim elements).
-# NOT YET MEASURED: re-sweep.
-ROTARY_WARPS = ((128, 1), (math.inf, 2))
+def rotary_launch(tokens: int, head_dim: int) -> tuple[int, int]:
+    """(heads per program, num_warps) of `rotary.rotary_kv` for ``tokens`` rows (q and k heads of ``head_dim``).
+
+    Measured on the H100 (`python scripts/bench_rotary.py`, CUDA graphs of 16 calls, bf16, us per call) for the
+    SmolLM2-135M, Llama-3.2-1B, Qwen2.5-1.5B and Llama-3-8B heads: one program per head (the form before) took
+    1.3-1.5 at 1-16 tokens but 3.5-3.6 at 64 (Llama) and 4.1-13.1 at 256; 8 heads per program 1.4-1.7 at 64 and
+    1.5-2.1 at 256 (Llama-3-8B 4.0), best with 4 warps at head_dim 64 and 8 at 128 (16 heads and 8 warps for
+    Llama-3.2-1B at 256: 1.91 against 2.05). At 1-16 tokens 1-2 heads per program were best (1.28-1.36), 8 about
+    0.1-0.2 us slower."""
+    if tokens <= 16:
+        return 2, 2 if head_dim <= 64 else 4
+    return 8, 4 if head_dim <= 64 else 8
 
 
 def lookup(rows, key):

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from rosecli.kernels.paged_decode import use_pdl
+from rosecli.kernels.pdl import pdl_begin, use_pdl
 
 
 def add_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -37,8 +36,7 @@ def add_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
 def _add_norm_kernel(x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, D, eps, x_stride, r_stride,
                      HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next kernel may launch now (a linear layer's, which fetches its weights meanwhile)
-        gdc_launch_dependents()
+    pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, a linear layer's, fetches its weights meanwhile)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -75,9 +73,11 @@ def add_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Te
     if n == 0:
         return out, total
     block = triton.next_power_of_2(d)
+    pdl = use_pdl(x.device, "norm")
     _add_norm_kernel[(n,)](
         x, x if x_bias is None else x_bias, x if residual is None else residual, weight,
         weight if bias is None else bias, out, total, d, eps, x.stride(0),
         0 if residual is None else residual.stride(0), HAS_XB=x_bias is not None, HAS_RES=residual is not None,
-        HAS_BIAS=bias is not None, RMS=rms, BLOCK=block, PDL=use_pdl(x.device), num_warps=4 if block >= 1024 else (2 if block >= 256 else 1))
+        HAS_BIAS=bias is not None, RMS=rms, BLOCK=block, PDL=pdl,
+        num_warps=4 if block >= 1024 else (2 if block >= 256 else 1), launch_pdl=pdl)
     return out, total

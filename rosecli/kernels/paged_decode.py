@@ -22,7 +22,6 @@ before a sequence's window are skipped and the rest masked to it.
 the K/V instead of attending, so its time is the floor the paged reads alone set.
 """
 
-import functools
 import math
 from typing import Optional
 
@@ -33,6 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rosecli.kernels import launch_table
+from rosecli.kernels.pdl import pdl_begin, use_pdl
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2 ** 30  # the window argument of a model without sliding window: longer than any context
@@ -74,13 +74,6 @@ def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_si
     """The fixed launch parameters for a shape (see `launch_table`)."""
     return launch_table.row_launch(launch_table.lookup(launch_table.DECODE, batch * kv_heads), max_context_len,
                                    block_size)
-
-
-@functools.lru_cache(maxsize=None)
-def use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (Hopper and later): the merge kernel is launched while the decode
-    kernel still runs and waits on the device for its end, so its launch costs no gap between the two."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -125,8 +118,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    kv_heads, group, num_splits, window, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    if PDL:  # the next kernel (the merge, or the output projection's) may launch now: it waits on the device
-        gdc_launch_dependents()  # for this whole grid to end before it reads
+    pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, the merge or the output projection's, may launch now)
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
     if HAS_WINDOW:  # the first token attended: tiles wholly before it are not read
@@ -207,8 +199,13 @@ def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_l
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None, *,
-                           window: Optional[int] = None, **launch):
+                           window: Optional[int] = None, early: bool = True, **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
+
+    ``early``: launched with PDL (`kernels.pdl`) where the device has it. Not after a long GEMM: the decode programs
+    waiting on the device crowd its last ones (on the H100 GPT-2's one-row step, after the q/k/v GEMM that also
+    stores K and V, took 294.6 us with it against 289.5 without; after the KV store kernel at 64 rows 523 against
+    540 us).
 
     ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
     """
@@ -229,13 +226,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     else:
         mid_o = mid_lse = out
     pdl = splits > 1 and use_pdl(q.device)  # the merge launched early
+    early = early and use_pdl(q.device, "decode")  # ... and this kernel
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
         q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits,
         window or NO_WINDOW, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PDL=use_pdl(q.device), HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PDL=early or pdl, HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch_pdl=early)
     if splits > 1:
         _merge_kernel[(batch, heads)](mid_o, mid_lse, out, out.stride(0), out.stride(1), splits, HEADS=heads,
                                       HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(splits), PDL=pdl,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from rosecli.kernels import launch_table
+from rosecli.kernels.pdl import pdl_begin, use_pdl
 from rosecli.kernels.store_kv import check_cache, store_kv_cache_ref
 
 
@@ -65,37 +66,40 @@ def rotary_kv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                       qkv_stride, table_stride, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-                      QK_NORM: tl.constexpr):
+                      GROUP: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_begin(PDL)
     i = tl.program_id(0).to(tl.int64)  # token
-    h = tl.program_id(1)  # head: q heads, then k heads
+    h = tl.program_id(1) * GROUP + tl.arange(0, GROUP)  # this program's heads: q heads, then k heads
     d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
+    hmask = h < HEADS + KV_HEADS
+    mask = hmask[:, None] & (d < HEAD_DIM)[None, :]
     partner = (d + HEAD_DIM // 2) % HEAD_DIM  # the other half's element (the rotation swaps the halves)
-    row = qkv_ptr + i * qkv_stride + h * HEAD_DIM
-    x = tl.load(row + d, mask=dmask, other=0.0).to(tl.float32)
-    xs = tl.load(row + partner, mask=dmask, other=0.0).to(tl.float32)
-    if QK_NORM:  # Qwen3: RMSNorm over the head, rounded to the row's dtype, times the weight, rounded again
-        if h < HEADS:
-            w = tl.load(qw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-            ws = tl.load(qw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(kw_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-            ws = tl.load(kw_ptr + partner, mask=dmask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    row = qkv_ptr + i * qkv_stride
+    at = row + h[:, None] * HEAD_DIM
+    x = tl.load(at + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(at + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:  # Qwen3: RMSNorm over each head, rounded to the row's dtype, times the weight, rounded again
+        is_q = (h < HEADS)[:, None]
+        dm = d < HEAD_DIM
+        w = tl.where(is_q, tl.load(qw_ptr + d, mask=dm, other=0.0).to(tl.float32)[None, :],
+                     tl.load(kw_ptr + d, mask=dm, other=0.0).to(tl.float32)[None, :])
+        ws = tl.where(is_q, tl.load(qw_ptr + partner, mask=dm, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + partner, mask=dm, other=0.0).to(tl.float32)[None, :])
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x = ((x * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * w).to(qkv_ptr.dtype.element_ty).to(tl.float32)
         xs = ((xs * rstd).to(qkv_ptr.dtype.element_ty).to(tl.float32) * ws).to(qkv_ptr.dtype.element_ty)
         xs = xs.to(tl.float32)
     pos = tl.load(pos_ptr + i).to(tl.int64)
-    c = tl.load(cos_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * table_stride + d, mask=dmask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + pos * table_stride + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * table_stride + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
     y = (x * c + xs * s).to(qkv_ptr.dtype.element_ty)
-    tl.store(row + d, y, mask=dmask)
-    if h >= HEADS:  # a k head: it and its v head go into the cache
-        kh = h - HEADS
-        slot = tl.load(slot_ptr + i + d * 0).to(tl.int64)  # broadcast to a vector (a scalar mask is refused)
-        smask = dmask & (slot >= 0)  # padding rows (slot < 0) store nothing
-        dst = (((slot // BLOCK_SIZE) * KV_HEADS + kh) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d
-        v = tl.load(row + KV_HEADS * HEAD_DIM + d, mask=smask)
+    tl.store(at + d[None, :], y, mask=mask)
+    if tl.program_id(1) * GROUP + GROUP > HEADS:  # k heads here: they and their v heads go into the cache
+        kh = (h - HEADS)[:, None]
+        slot = tl.load(slot_ptr + i + h * 0).to(tl.int64)[:, None]  # (broadcast: a scalar mask is refused)
+        smask = mask & (kh >= 0) & (slot >= 0)  # padding rows (slot < 0) store nothing
+        dst = (((slot // BLOCK_SIZE) * KV_HEADS + kh) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d[None, :]
+        v = tl.load(at + KV_HEADS * HEAD_DIM + d[None, :], mask=smask)
         tl.store(k_cache_ptr + dst, y.to(k_cache_ptr.dtype.element_ty), mask=smask)
         tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=smask)
 
@@ -103,8 +107,9 @@ def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cach
 def rotary_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, heads: int, kv_heads: int,
               q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
-              eps: float = 0.0) -> None:
-    """Same contract as `rotary_kv_ref`, one launch: a program per (token, q or k head)."""
+              eps: float = 0.0, group: Optional[int] = None, num_warps: Optional[int] = None) -> None:
+    """Same contract as `rotary_kv_ref`, one launch: a program per token and group of ``group`` heads (q heads,
+    then k heads; a power of two). ``group`` and ``num_warps`` default to `launch_table.rotary_launch`'s."""
     n = qkv.shape[0]
     head_dim = cos.shape[-1]
     check_cache(k_cache, kv_heads, head_dim)
@@ -116,9 +121,12 @@ def rotary_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     assert (q_norm is None) == (k_norm is None)
     if n == 0:
         return
-    _rotary_kv_kernel[(n, heads + kv_heads)](
+    launch = launch_table.rotary_launch(n, head_dim)
+    group, num_warps = group or launch[0], num_warps or launch[1]
+    pdl = use_pdl(qkv.device, "rotary")
+    _rotary_kv_kernel[(n, triton.cdiv(heads + kv_heads, group))](
         qkv, positions, cos, sin, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
         k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0), eps, HEADS=heads, KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], BLOCK_D=triton.next_power_of_2(head_dim),
-        QK_NORM=q_norm is not None, num_warps=launch_table.lookup(launch_table.ROTARY_WARPS, head_dim),
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
+        QK_NORM=q_norm is not None, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         enable_fp_fusion=False)  # x * cos + x' * sin rounded as torch's separate multiplies and add round it

@@ -53,7 +53,7 @@ from rosecli.kernels import activation
 from rosecli.kernels.activation import gelu_tanh, silu
 from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
 from rosecli.kernels.norm import add_norm_ref
-from rosecli.kernels.paged_decode import use_pdl
+from rosecli.kernels.pdl import use_pdl
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
 PDL = os.environ.get("ROSE_SKINNY_PDL", "1") != "0"  # programmatic dependent launch on Hopper (`use_pdl`)

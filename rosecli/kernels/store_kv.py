@@ -5,6 +5,7 @@ import triton
 import triton.language as tl
 
 from rosecli.kernels import launch_table, slot_rows
+from rosecli.kernels.pdl import pdl_begin, use_pdl
 
 
 def check_cache(cache: torch.Tensor, kv_heads: int, head_dim: int) -> None:
@@ -38,7 +39,9 @@ def store_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 @triton.jit
 def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, key_stride, value_stride,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_begin(PDL)
     i = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     slot = tl.load(slot_ptr + i + offs * 0).to(tl.int64)  # broadcast: padding rows (slot < 0) store nothing
@@ -61,7 +64,8 @@ def store_kv_cache(key, value, k_cache, v_cache, slot_mapping) -> None:
     if n == 0:
         return
     row = kv_heads * head_dim
+    pdl = use_pdl(key.device, "store")
     _store_kv_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
                            KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
-                           BLOCK=triton.next_power_of_2(row),
-                           num_warps=launch_table.lookup(launch_table.STORE_WARPS, row))
+                           BLOCK=triton.next_power_of_2(row), PDL=pdl,
+                           num_warps=launch_table.lookup(launch_table.STORE_WARPS, row), launch_pdl=pdl)

@@ -35,8 +35,8 @@ class GPT2Block(nn.Module):
         fused = meta.fused_ops
         qkv, residual, stored = norm_qkv(self.ln_1, self.c_attn, x, residual, fused, x_bias, self.attn, meta)
         q, k, v = qkv.split(self.d, dim=-1)
-        a, residual, a_bias = linear_residual(self.attn_proj, self.attn(q, k, v, meta, kv_stored=stored), residual,
-                                              fused, self.ln_2, self.c_fc)
+        attn = self.attn(q, k, v, meta, kv_stored=stored, after_gemm=stored)
+        a, residual, a_bias = linear_residual(self.attn_proj, attn, residual, fused, self.ln_2, self.c_fc)
         g, residual = norm_linear(self.ln_2, self.c_fc, a, residual, fused, a_bias, gelu=True)
         # (the next block's ln_1 and c_attn are of this one's kind)
         return linear_residual(self.mlp_proj, g, residual, fused, self.ln_1, self.c_attn)

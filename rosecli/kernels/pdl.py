@@ -1,0 +1,42 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A kernel launched with ``launch_pdl=True`` may be scheduled while the kernel before it in the stream
+still runs (once every program of that one has called ``gdc_launch_dependents``, or ended): its
+programs become resident and wait on the device (``gdc_wait``) until the kernel before has ended and
+its writes are visible. Inside a CUDA graph that hides the launch gap between two kernels. Each of
+our kernels calls ``gdc_launch_dependents`` as it starts, so the next one can be scheduled early; a
+kernel that is not launched this way (cuBLAS, torch's) is ordered as usual.
+
+The rule every kernel here keeps: with PDL on, nothing that a kernel before it writes is read, and
+nothing that a kernel before it reads is written, before ``gdc_wait`` returns. `pdl_begin` waits
+first; the skinny GEMM fetches its first weight tile (which no kernel writes) before waiting.
+
+``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
+``kernel`` argument of `use_pdl`), for A/B measurements.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLED = os.environ.get("ROSE_PDL", "1") != "0"
+OFF = frozenset(k for k in os.environ.get("ROSE_PDL_OFF", "").split(",") if k)
+
+
+@functools.lru_cache(maxsize=None)
+def use_pdl(device: torch.device, kernel: str = "") -> bool:
+    """Whether ``kernel`` (a name for ``ROSE_PDL_OFF``) is launched with PDL on ``device``: a CUDA device of compute
+    capability 9 or later."""
+    return ENABLED and kernel not in OFF and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def pdl_begin(PDL: tl.constexpr):
+    """A PDL-launched kernel's first step: wait for the kernel before to end, then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

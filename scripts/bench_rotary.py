@@ -10,37 +10,13 @@ import itertools
 import math
 
 import torch
+from bench_skinny import graph_time_us  # (scripts/ is the path's first entry)
 
 from rosecli.kernels.launch_table import rotary_launch
 from rosecli.kernels.rotary import rotary_kv
 
 # name -> (q heads, kv heads, head_dim)
 SHAPES = {"smollm2": (9, 3, 64), "llama1b": (32, 8, 64), "qwen1.5b": (12, 2, 128), "llama8b": (32, 8, 128)}
-
-
-def graph_us(fn, copies, reps=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in range(copies):
-            fn(c)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in range(copies):
-            fn(c)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1000 / reps / copies)
-    return best
 
 
 def main():
@@ -63,8 +39,8 @@ def main():
 
             def t_of(group, warps):
                 try:
-                    return graph_us(lambda c: rotary_kv(qkvs[c], pos, cos, sin, kc, vc, slots, heads, kvh,
-                                                        group=group, num_warps=warps), copies)
+                    return graph_time_us([lambda q=q: rotary_kv(q, pos, cos, sin, kc, vc, slots, heads, kvh, group=group,
+                                                                num_warps=warps) for q in qkvs], reps=50)
                 except Exception:  # noqa: BLE001 - a launch that does not compile is not a candidate
                     torch.cuda.synchronize()
                     return math.inf

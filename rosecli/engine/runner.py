@@ -602,14 +602,11 @@ class ModelRunner:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                 flip: int, static: bool = False, last_rows: Optional[dict] = None) -> torch.Tensor:
-        """The batch's next ids on the device. Every request gets its sampling slot on its first
-        sampled token; while every admitted request is plain greedy, the model's argmax (computed
-        inside the decode graph) is the answer and the sampler is not called. ``static``: ``logits``
-        is a decode graph's output buffer, so the sampler's kernels can be a graph of their own."""
-        slots = self._slots
-        for s in seqs:
-            if s.request_id not in slots:
-                self._acquire(s)
+        """The batch's next ids on the device (every request holds its sampling slot: the callers
+        `_acquire` it before its first sampled token); while every admitted request is plain greedy, the
+        model's argmax (computed inside the decode graph) is the answer and the sampler is not called.
+        ``static``: ``logits`` is a decode graph's output buffer, so the sampler's kernels can be a graph
+        of their own."""
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
         ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows)
         if lp is not None:
@@ -846,6 +843,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, rows))
         flip = self._next_buffers()
         with self.stages.range("sampling", len(picked)):
+            for s in picked:
+                if s.request_id not in self._slots:
+                    self._acquire(s)
             ids = self._sample(picked, logits, None, flip)
         launch = DecodeLaunch(picked, *self._fetch(ids, len(picked), flip))
         sampled = self.collect(launch)

@@ -243,6 +243,47 @@ def test_kv_epilogue_stores_what_store_kv_would(rows, launch, fold):
     assert not torch.equal(caches[0], torch.full_like(caches[0], 7.0))
 
 
+@pytest.mark.parametrize("rows,launch,fold", [
+    (1, None, False), (1, SkinnyLaunch(4, 256, 1, 2, 1), True),  # one row (as the models run it); after the norm
+    (1, SkinnyLaunch(2, 64, 2, 2, 2), False),  # one pair per program, split-K
+    (5, None, False), (5, SkinnyLaunch(16, 64, 3, 4, 2), False),  # tiles; split-K
+])
+def test_kv_epilogue_with_rope_rotates_as_rotary_kv(rows, launch, fold):
+    """The Llama family's q/k/v projection with q and k rotated (`KVOut.rope`) and K and V stored by the epilogue:
+    the output and both caches are those of the plain GEMM followed by `rotary.rotary_kv_ref` (GQA: 4 q heads, 2 kv
+    heads; a negative slot stores nothing), and the V columns and the cache rows of other slots are left alone."""
+    from rosecli.engine.models.common import RotaryEmbedding
+    from rosecli.kernels.rotary import rotary_kv_ref
+
+    g = torch.Generator().manual_seed(10 + rows)
+    half = torch.float16
+    heads, kv_heads, head_dim, block, k = 4, 2, 16, 4, 64
+    n = (heads + 2 * kv_heads) * head_dim
+    x = torch.randn(rows, k, generator=g).to(half)
+    w = (torch.randn(n, k, generator=g) / 4).to(half)
+    b = torch.randn(n, generator=g).to(half)
+    slots = torch.tensor([9, 2, -1, 13, 4][:rows])
+    rope = RotaryEmbedding(head_dim, 64, base=500.0)
+    pos = torch.tensor([37, 5, 0, 63, 20][:rows])
+    caches = [torch.full((5, kv_heads, block, head_dim), 7.0, dtype=half) for _ in range(4)]
+    kv = skinny_gemm.KVOut(caches[0], caches[1], slots, (pos, rope.cos, rope.sin))
+    if fold:
+        normin = skinny_gemm.NormIn(None, None, torch.ones(k, dtype=half), None, 1e-5, True)
+        y = skinny_gemm.skinny_norm_linear(x, normin, w, b, launch=launch, kv=kv)[0]
+        want = skinny_gemm.skinny_norm_linear(x, normin, w, b, launch=launch)[0]
+    else:
+        y = skinny_linear(x, w, b, launch=launch, kv=kv)
+        want = skinny_linear(x, w, b, launch=launch)
+    plain = want.clone()
+    rotary_kv_ref(want, pos, rope.cos, rope.sin, caches[2], caches[3], slots, heads, kv_heads)
+    assert not torch.equal(want, plain)  # (the rotation moved q and k)
+    torch.testing.assert_close(y, want, rtol=2e-3, atol=2e-3)  # (up to the float32 multiply-adds' contraction)
+    assert torch.equal(y[:, (heads + kv_heads) * head_dim:], plain[:, (heads + kv_heads) * head_dim:])  # V as is
+    for got, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+        assert torch.equal(got == 7.0, ref == 7.0)  # the same slots written, the others untouched
+
+
 def test_split_k_is_deterministic_and_rearms_its_tickets():
     x, w, b = _case(3, 64, 1024, "bias", torch.float16, "cpu", seed=7)
     launch = SkinnyLaunch(16, 64, 8, 4, 2)
@@ -417,7 +458,8 @@ MODEL_CASES += [("cpu", "gpt2", 1, False), ("cpu", "llama", 1, False), ("cpu", "
 @pytest.mark.parametrize("device,kind,tokens,pair", MODEL_CASES)
 def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, tokens, pair, monkeypatch):
     """A whole fp16 decode step (fused ops, as CUDA-graph decode runs them) with decode's linear layers on the
-    kernel (one row: the norms folded in; GPT-2: K and V stored by its q/k/v GEMM; more rows: each add_norm
+    kernel (one row: the norms folded in; K and V stored by the q/k/v GEMM, which also rotates q and k in the Llama
+    family; more rows: each add_norm
     split between the GEMMs around it, `linear_residual`): the same logits as on
     cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the same greedy token per row; and,
     with two cached tokens before (so a K stored wrong moves the softmax), the same as on cuBLAS."""
@@ -442,6 +484,9 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     monkeypatch.setattr(skinny_gemm, "skinny_linear_add", lambda *a, **kw: adds.append(1) or real_add(*a, **kw))
     monkeypatch.setattr(skinny_gemm, "skinny_stats_norm_linear",
                         lambda *a, **kw: normed.append(1) or real_stats(*a, **kw))
+    from rosecli.kernels import rotary
+    rotations, real_rot = [], rotary.rotary_kv
+    monkeypatch.setattr(rotary, "rotary_kv", lambda *a, **kw: rotations.append(1) or real_rot(*a, **kw))
 
     def logits(prior):  # a decode step: `tokens` sequences of one new token after `prior` cached ones
         g = torch.Generator().manual_seed(3)
@@ -459,6 +504,8 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
                                               meta)).cpu().float()
 
     on, on_prior = logits(0), logits(2)
+    if kind != "gpt2":  # the Llama family at one row: q and k rotated, K and V stored, by the q/k/v GEMM (`KVOut.rope`)
+        assert (not rotations) == (tokens == 1)
     assert calls or adds  # the kernel ran
     layers = len(model.attention_layers())
     # one row: every add_norm but the last folded (2 a layer, 2 steps); with the pairs, every add_norm after a GEMM
@@ -501,11 +548,13 @@ for dot in (False, True):
                       USE_DOT=dot, HAS_BIAS=not swiglu, GELU=False, SWIGLU=swiglu, NORM=norm, HAS_XB=False,
                       HAS_RES=bool(norm) and not from_stats, HAS_NB=norm == 1, KV_STORE=False, KV_HEAD_DIM=1,
                       KV_BLOCK=1, NUM_STAGES=3, PDL=True, FROM_STATS=bool(from_stats), RES_OUT=res_out,
-                      STATS_PAD=32, SCALED_OUT=bool(scaled))
-        f32 = {"part_ptr", "st_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
+                      STATS_PAD=32, SCALED_OUT=bool(scaled), ROPE=False)
+        if not dot and not res_out and not swiglu:  # Llama's q/k/v at one row: K/V stored, q and k rotated
+            consts.update(KV_STORE=True, KV_HEAD_DIM=64, KV_BLOCK=16, ROPE=True)
+        f32 = {"part_ptr", "st_ptr", "cos_ptr", "sin_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
         sig = {n: "constexpr" if n in consts else "fp32" if n == "eps" else "i32" if not n.endswith("_ptr") else
-               "*i32" if n == "ticket_ptr" else "*i64" if n == "slot_ptr" else "*fp32" if n in f32 else "*fp16"
-               for n in kernel.arg_names}
+               "*i32" if n == "ticket_ptr" else "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32
+               else "*fp16" for n in kernel.arg_names}
         try:
             compile(ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}),
                     target=GPUTarget("cuda", 90, 32))

@@ -180,23 +180,29 @@ def _unfold_norm(acc, mean, rstd, c_ptr, d_ptr, cols, cmask, NORM: tl.constexpr,
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
-                   kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-                   k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles, st_width,
+                   kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, pos_ptr, cos_ptr, sin_ptr, M, N, K, stride_xm, stride_wn,
+                   stride_ym, stride_rm, k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles, st_width, rope_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
-                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr):
+                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr, ROPE: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    if ROPE:  # (`KVOut.rope`) the q and k columns (before kv_first + kv_size) taken in rotation pairs: output columns
+        # 2j and 2j + 1 of this launch are columns d and d + head_dim / 2 of one head, side by side in the epilogue
+        half: tl.constexpr = KV_HEAD_DIM // 2
+        rot = rn < kv_first + kv_size
+        j = rn // 2
+        rn = tl.where(rot, (j // half) * KV_HEAD_DIM + j % half + (rn % 2) * half, rn)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    nmask = rn < N
     mmask = rm < M
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
@@ -312,6 +318,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
             y = gelu_tanh(y)
         if SWIGLU:  # silu(gate) rounded, times up rounded (`activation.silu_mul` after the GEMM)
             y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
+        if ROPE:  # q and k rotated as `rotary.rotary_kv` rotates them in the GEMM's rounded output: each pair's two
+            # columns swapped for the partner term, the full-width tables read at each column's place in its head
+            pos = tl.load(pos_ptr + rm, mask=mmask, other=0).to(tl.int64)
+            at = pos[:, None] * rope_stride + (rn % KV_HEAD_DIM)[None, :]
+            c = tl.load(cos_ptr + at, mask=out_mask, other=0.0).to(tl.float32)  # (float32 whatever the tables')
+            s = tl.load(sin_ptr + at, mask=out_mask, other=0.0).to(tl.float32)
+            first, second = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            partner = tl.reshape(tl.join(second, first), (BLOCK_M, BLOCK_N))
+            y = tl.where(rot[None, :], (y * c + partner * s).to(dt).to(tl.float32), y)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
     if KV_STORE:  # columns kv_first.. are K then V: also into their cache slots (`store_kv.store_kv_cache`)
         slot = tl.load(slot_ptr + rm, mask=mmask, other=-1).to(tl.int64)  # a negative slot stores nothing
@@ -361,10 +376,14 @@ class NormIn(NamedTuple):
 class KVOut(NamedTuple):
     """A q/k/v projection's K and V columns also stored into a layer's paged cache by the GEMM's
     epilogue (as `store_kv.store_kv_cache` after it would): the last ``2 * kv_heads * head_dim`` output
-    columns are K then V; a row whose slot is negative stores nothing."""
+    columns are K then V; a row whose slot is negative stores nothing. With ``rope`` (positions [M] and the
+    full-width float32 cos/sin tables of `rotary.rotary_kv`), the q and k heads (all columns before V) are
+    rotated first, in the output and in the cache: `rotary.rotary_kv` in the epilogue (the launch's columns
+    taken in rotation pairs; up to float32 contraction of its multiply-adds, which that kernel does not do)."""
     k_cache: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [M]
+    rope: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (positions, cos, sin)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -475,6 +494,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         _, kv_heads, kv_block, head_dim = kv.k_cache.shape
         assert not (swiglu or gelu) and kv.k_cache.is_contiguous() and kv.v_cache.is_contiguous()
         assert kv.v_cache.shape == kv.k_cache.shape and kv.slot_mapping.shape == (M,) and N >= 2 * kv_heads * head_dim
+        if kv.rope is not None:
+            pos, cos, sin = kv.rope
+            assert pos.shape == (M,) and cos.shape[1] == head_dim and cos.stride() == sin.stride()
+            assert cos.stride(1) == 1 and cos.dtype == sin.dtype
+            assert (N - kv_heads * head_dim) % 2 == 0 and head_dim % 2 == 0
     else:
         kv_heads = kv_block = head_dim = 1
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -485,6 +509,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
             raise ValueError(f"the norm prologue needs the whole K ({K}) in one tile, unsplit; got {cfg}")
     else:
         cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
+    rope = kv.rope if kv is not None else None
+    if rope is not None and cfg.block_n < 2:
+        cfg = cfg._replace(block_n=2)  # (rotation pairs: at least one pair per program; block_n is a power of two)
     use_dot = M > 1
     block_m = 1 if not use_dot else max(16, min(triton.next_power_of_2(M), MAX_ROWS))
     split = max(1, min(cfg.split_k, triton.cdiv(K, cfg.block_k)))
@@ -526,10 +553,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     _skinny_kernel[grid](x, weight, bias if bias is not None else y, y, part, ticket,
                          n.x_bias if n.x_bias is not None else y, residual if residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
-                         *(kv if kv is not None else (y, y, y)), st, scaled if scaled is not None else y,
+                         *((kv.k_cache, kv.v_cache, kv.slot_mapping) if kv is not None else (y, y, y)), st,
+                         scaled if scaled is not None else y, *(rope if rope is not None else (y, y, y)),
                          M, N, K, x.stride(0), weight.stride(0),
                          y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, n.eps,
                          N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads, tiles, width,
+                         rope[1].stride(0) if rope is not None else 0,
                          BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
                          HAS_BIAS=bias is not None, GELU=gelu, SWIGLU=swiglu,
                          NORM=0 if norm is None and stats is None else (RMS_NORM if n.rms else LAYER_NORM),
@@ -539,7 +568,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          FROM_STATS=stats is not None,
                          RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
                          STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALED_OUT=scaled is not None,
-                         num_warps=cfg.num_warps, launch_pdl=pdl)
+                         ROPE=rope is not None, num_warps=cfg.num_warps, launch_pdl=pdl)
     if out_stats is not None:
         return y, out_stats
     return y, total

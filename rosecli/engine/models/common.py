@@ -199,6 +199,7 @@ def _norm_fold(norm: nn.Module, linear: nn.Module, copy: bool) -> skinny_gemm.No
 
 
 NORM_FOLD = os.environ.get("ROSE_NORM_FOLD", "1") != "0"  # add_norm into the next skinny GEMM's prologue
+ROPE_IN_GEMM = os.environ.get("ROSE_ROPE_IN_GEMM", "1") != "0"  # `norm_qkv`'s rotation in the q/k/v GEMM
 
 
 def _norm_foldable(norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
@@ -221,14 +222,20 @@ def norm_linear(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: O
 
 def norm_qkv(norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor],
              fused: bool, x_bias: Optional[torch.Tensor], attn: nn.Module,
-             meta) -> tuple[torch.Tensor, torch.Tensor, bool]:
+             meta, rope: Optional["Rope"] = None) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """`norm_linear` of a [q; k; v] projection, ``(qkv, sum, stored)``; with the decode step's Triton
     attention, where the norm is folded into the GEMM, its epilogue also stores k and v into ``attn``'s
-    cache (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so."""
+    cache (``stored``: `Attention.forward` is then called with ``kv_stored``) where the launch table says so.
+    ``rope`` (a `Rope` of whole tables and positions): q and k are rotated first, in the epilogue too (stored
+    or not, the caller knows from ``stored``; `ROPE_IN_GEMM`)."""
     kv = None
     rows = residual.shape[0] if isinstance(x, skinny_gemm.StreamStats) else x.shape[0]
     if fused and meta.use_triton and not meta.is_prefill and attn.k_cache is not None and kv_in_gemm(rows):
-        kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
+        if rope is None:
+            kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping)
+        elif ROPE_IN_GEMM and rope.positions is not None:
+            kv = skinny_gemm.KVOut(attn.k_cache, attn.v_cache, meta.slot_mapping,
+                                   (rope.positions, rope.cos, rope.sin))
     return _norm_linear(norm, linear, x, residual, fused, x_bias, False, False, kv)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
-                                           copy_weight, linear_residual, logits_gemm, norm_linear,
+                                           copy_weight, linear_residual, logits_gemm, norm_linear, norm_qkv,
                                            output_embedding_module, output_linear, output_logits, padded_output_rows)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels import rotary
@@ -81,10 +81,14 @@ class LlamaLayer(nn.Module):
         rope: `RotaryEmbedding.for_step` of this step's positions. Returns the same three for the next layer."""
         qk_size = self.q_size + self.kv_size
         fused = meta.fused_ops
-        qkv, residual = norm_linear(self.input_layernorm, self.qkv_proj, x, residual, fused, x_bias)
+        # at one row the q/k/v GEMM may also rotate q and k and store k and v (`norm_qkv`; not with Qwen3's q/k norms)
+        qkv, residual, in_gemm = norm_qkv(self.input_layernorm, self.qkv_proj, x, residual, fused, x_bias, self.attn,
+                                          meta, rope if self.q_norm is None else None)
         n = qkv.shape[0]
-        stored = rope.positions is not None
-        if stored:
+        stored = in_gemm or rope.positions is not None
+        if in_gemm:
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size]
+        elif stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
             norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
                                                                     self.q_norm.eps)
@@ -100,9 +104,9 @@ class LlamaLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
             q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
             k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
-        o, residual, o_bias = linear_residual(self.o_proj, self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored),
-                                              residual, fused, self.post_attention_layernorm, self.gate_up_proj,
-                                              swiglu=True)
+        attn = self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored, after_gemm=in_gemm)
+        o, residual, o_bias = linear_residual(self.o_proj, attn, residual, fused, self.post_attention_layernorm,
+                                              self.gate_up_proj, swiglu=True)
         g, residual = norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, fused, o_bias,
                                   swiglu=True)
         # (the next layer's input norm and q/k/v projection are of this one's kind)

@@ -225,7 +225,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
     else:
         mid_o = mid_lse = out
-    pdl = splits > 1 and use_pdl(q.device)  # the merge launched early
+    pdl = splits > 1 and use_pdl(q.device, "merge")  # the merge launched early
     early = early and use_pdl(q.device, "decode")  # ... and this kernel
     _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),

@@ -12,7 +12,8 @@ nothing that a kernel before it reads is written, before ``gdc_wait`` returns. `
 first; the skinny GEMM fetches its first weight tile (which no kernel writes) before waiting.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
-``kernel`` argument of `use_pdl`), for A/B measurements.
+``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax), for A/B
+measurements; ``ROSE_SKINNY_PDL=0`` (older) is ``ROSE_PDL_OFF=skinny``.
 """
 
 import functools
@@ -24,7 +25,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("ROSE_PDL", "1") != "0"
-OFF = frozenset(k for k in os.environ.get("ROSE_PDL_OFF", "").split(",") if k)
+OFF = frozenset([k for k in os.environ.get("ROSE_PDL_OFF", "").split(",") if k]
+                + (["skinny"] if os.environ.get("ROSE_SKINNY_PDL", "1") == "0" else []))
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,6 @@ reads with its own weights (`NormFold.scale`): no copy. ``ROSE_NORM_STATS=0`` ke
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -56,7 +55,6 @@ from rosecli.kernels.norm import add_norm_ref
 from rosecli.kernels.pdl import use_pdl
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
-PDL = os.environ.get("ROSE_SKINNY_PDL", "1") != "0"  # programmatic dependent launch on Hopper (`use_pdl`)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -521,7 +519,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     if split > 1 and _tickets.get(x.device) is None and x.is_cuda and torch.cuda.is_current_stream_capturing():
         split, k_per_split = 1, K  # (no ticket buffer yet, and none can be made while a graph is captured)
         grid = grid[:2] + (1,)
-    pdl = PDL and use_pdl(x.device)
+    pdl = use_pdl(x.device, "skinny")  # (`kernels.pdl`)
     if split > 1:
         part = torch.empty((2 * split if swiglu else split, M, N), dtype=torch.float32, device=x.device)
         ticket = _ticket_buffer(x.device, grid[0] * grid[1])

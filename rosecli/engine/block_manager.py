@@ -7,8 +7,9 @@ are reused by a later request with the same prefix, or evicted (oldest first) wh
 list is empty. Running out of blocks is reported by ``can_allocate`` / ``can_append`` returning
 False; the scheduler decides what to do (wait or preempt). Nothing here raises for it.
 
-Block arithmetic lives here too: where a token's KV goes (`slot_of`, `slots_of`) and when a
-sequence needs a new block or has just filled one (`BlockManager.needs_block`, `fills_block`).
+Block arithmetic lives here too: where a token's KV goes (`slot_of`, `slots_of`). Whether a
+sequence's newest token starts a block, or a step just filled one, the scheduler's decode loop
+tests inline (a call per row and step costs more than the test).
 A sequence's block table is replaced, never changed in place: the model runner keeps the rows
 it staged by the table they came from and rewrites a row only when that table is another one.
 """
@@ -90,14 +91,6 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def needs_block(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s newest token has no slot yet (it starts a block)."""
-        return len(seq.block_table) * self.block_size < len(seq.token_ids)
-
-    def fills_block(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s computed tokens end at a block boundary (a step just filled a block)."""
-        return seq.num_computed_tokens % self.block_size == 0
 
     # --- allocation -----------------------------------------------------------------------
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -184,6 +184,7 @@ class OutputProcessor:
             record = self.record_timestamps
             finishing = {req.rid for req in done if req is not None} if done else ()
             scheduler = self.scheduler
+            plain = interval == 1 and not record
             failed = None
             for req, tok in records:
                 # a request ended by the output processor or its caller has no seq any more: no
@@ -203,6 +204,18 @@ class OutputProcessor:
                     if req.logprobs is not None:
                         self._add_logprobs(req, logprobs, prompt_logprobs)
                     piece = req.detok.push(tok)
+                    if plain and not req.stops and req.logprobs is None and req.rid not in finishing:
+                        # (`_flush` inline, for the usual token: every token streamed, nothing held back)
+                        if req.unsent:
+                            piece, req.unsent = req.unsent + piece, ""
+                        if piece:
+                            req.parts.append(piece)
+                            req.sent += len(piece)
+                            self._put(req, piece)
+                            req.pending_tokens = 0
+                        else:
+                            req.pending_tokens += 1
+                        continue
                     req.pending_tokens += 1
                     if req.stops and piece and req.output_tokens > req.min_tokens:
                         start = len(req.unsent)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
-from rosecli.engine.block_manager import slot_of, slots_of
+from rosecli.engine.block_manager import slots_of
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
@@ -500,7 +500,6 @@ class ModelRunner:
         mb = self.max_batch_size
         last_rows, launch_rows = self._launch_rows, self._next_launch_rows
         launch_rows.clear()
-        slot = slot_of
         with stages.range("prepare_inputs", batch):
             slots_of = self._slots
             st = self._np_staging[flip]
@@ -528,7 +527,7 @@ class ModelRunner:
                 launch_rows[rid] = i
                 table = s.block_table
                 pos[i] = p
-                slots[i] = slot(table, p, bs)
+                slots[i] = table[p // bs] * bs + p % bs  # (`slot_of`, inline)
                 ctx[i] = n
                 ctx_total += n
                 if row_tables[i] is not table:  # a row is rewritten only when its table was replaced

@@ -63,7 +63,7 @@ class Scheduler:
                  clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.runner = runner
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         runner.eos_token_ids = sorted(self.eos_token_ids)  # min_tokens holds them back in sampling
         self.max_model_len = max_model_len
         self.stages = stages or runner.stages
@@ -105,7 +105,7 @@ class Scheduler:
             raise RequestError(f"request id {request_id} is already in use")
         else:
             self._next_id = max(self._next_id, request_id + 1)
-        seq = Sequence(request_id, token_ids, params, self._arrivals)
+        seq = self._set_limits(Sequence(request_id, token_ids, params, self._arrivals))
         self._arrivals += 1
         self.runner.add_request(seq)  # last: nothing else can fail and leave it half added
         self.seqs[request_id] = seq
@@ -127,7 +127,7 @@ class Scheduler:
             for p, rid in zip(params[1:], request_ids[1:]):
                 if rid in self.seqs:
                     raise RequestError(f"request id {rid} is already in use")
-                seq = Sequence(rid, list(token_ids), p, self.seqs[leader].arrival_index)
+                seq = self._set_limits(Sequence(rid, list(token_ids), p, self.seqs[leader].arrival_index))
                 self.runner.add_request(seq)
                 followers.append(seq)
         except BaseException:
@@ -138,6 +138,14 @@ class Scheduler:
         if followers:
             self._forks[leader] = followers
         return [leader] + [s.request_id for s in followers]
+
+    def _set_limits(self, seq: Sequence) -> Sequence:
+        """What ends ``seq``, worked out once for the checks of every step (`_check_stop`)."""
+        p = seq.params
+        seq.length_limit = min(seq.num_prompt_tokens + p.max_new_tokens, self.max_seq_len)
+        seq.stop_ids = frozenset(p.stop_token_ids) | (self.eos_token_ids if p.stop_on_eos else frozenset())
+        seq.stop_from = seq.num_prompt_tokens + p.min_tokens  # before min_tokens no stop token ends it (as vLLM)
+        return seq
 
     def has_unfinished(self) -> bool:
         # a step in flight holding only finished sequences needs no reading: their tokens are dropped
@@ -299,17 +307,22 @@ class Scheduler:
         else:
             batch = list(running)
         bm = self.block_manager
+        bs = bm.block_size
+        running_status = SequenceStatus.RUNNING
         scheduled: list[Sequence] = []
+        preempted = False
         for seq in batch:
+            n = len(seq.token_ids)
             # a sequence whose pending token is its last (step in flight) needs no further step
-            if seq.status is not SequenceStatus.RUNNING or self._length_reached(seq, len(seq.token_ids)):
+            if seq.status is not running_status or n >= seq.length_limit:
                 continue
-            if bm.needs_block(seq):
+            if len(seq.block_table) * bs < n:  # its newest token starts a block
                 if not allow_preempt and not bm.can_append(seq):
                     return None
                 while not bm.can_append(seq):
                     victim = self._newest_admitted()
                     self._preempt(victim)
+                    preempted = True
                     if victim is seq:
                         break
                 else:
@@ -317,12 +330,13 @@ class Scheduler:
                     scheduled.append(seq)
             else:
                 scheduled.append(seq)
-        scheduled = [s for s in scheduled if s.status is SequenceStatus.RUNNING]
+        if preempted:  # a victim may be one scheduled before it
+            scheduled = [s for s in scheduled if s.status is running_status]
         return StepPlan.decode(scheduled) if scheduled else None
 
     def _length_reached(self, seq: Sequence, length: int) -> bool:
         """A sequence of ``length`` tokens may have no more (max_new_tokens or the model's context)."""
-        return length - seq.num_prompt_tokens >= seq.params.max_new_tokens or length >= self.max_seq_len
+        return length >= seq.length_limit
 
     def _newest_admitted(self) -> Sequence:
         candidates = self.running + self.prefilling
@@ -413,7 +427,7 @@ class Scheduler:
         out: dict[int, int] = {}
         bm = self.block_manager
         cache = bm.enable_prefix_cache
-        fills_block = bm.fills_block
+        bs = bm.block_size
         running = SequenceStatus.RUNNING
         for seq, token in zip(launch.seqs, sampled):
             if seq.status is not running:
@@ -422,11 +436,15 @@ class Scheduler:
             index = tokens.index(PENDING, seq.num_computed_tokens)  # the oldest pending token is this step's
             tokens[index] = token
             seq.num_computed_tokens += 1
-            if cache and fills_block(seq):
+            if cache and seq.num_computed_tokens % bs == 0:  # this step filled a block
                 bm.commit_full_blocks(seq)
-            if lps and seq.request_id in lps:
-                self.step_logprobs[seq.request_id] = lps[seq.request_id]
-            self._accept(seq, token, index + 1, out)
+            rid = seq.request_id
+            if lps and rid in lps:
+                self.step_logprobs[rid] = lps[rid]
+            out[rid] = token
+            length = index + 1  # (`_accept`, inline: this loop runs for every row of every step)
+            if (token in seq.stop_ids and length >= seq.stop_from) or length >= seq.length_limit:
+                self._finish(seq, self._check_stop(seq, token, length))
         return out
 
     def _accept(self, seq: Sequence, token: int, length: int, out: dict[int, int]) -> None:
@@ -438,13 +456,9 @@ class Scheduler:
             self._finish(seq, reason)
 
     def _check_stop(self, seq: Sequence, token: int, length: int) -> Optional[FinishReason]:
-        p = seq.params
-        if length - seq.num_prompt_tokens >= p.min_tokens:  # before min_tokens neither ends it (as vLLM)
-            if p.stop_on_eos and token in self.eos_token_ids:
-                return FinishReason.STOP
-            if token in p.stop_token_ids:
-                return FinishReason.STOP
-        if self._length_reached(seq, length):
+        if token in seq.stop_ids and length >= seq.stop_from:
+            return FinishReason.STOP
+        if length >= seq.length_limit:
             return FinishReason.LENGTH
         return None
 

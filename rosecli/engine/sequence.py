@@ -35,7 +35,7 @@ class Sequence:
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "block_table",
                  "num_computed_tokens", "num_cached_tokens", "num_hashed_blocks", "block_hashes",
-                 "status", "finish_reason", "arrival_index", "admitted_at")
+                 "status", "finish_reason", "arrival_index", "admitted_at", "length_limit", "stop_ids", "stop_from")
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_index: int = 0):
@@ -52,6 +52,11 @@ class Sequence:
         self.finish_reason: Optional[FinishReason] = None
         self.arrival_index = arrival_index
         self.admitted_at: Optional[float] = None
+        # when it ends, set by the scheduler that owns it (`Scheduler._set_limits`): at ``length_limit``
+        # tokens (max_new_tokens or the context), or on a token of ``stop_ids`` once it has ``stop_from``
+        self.length_limit = self.num_prompt_tokens + params.max_new_tokens
+        self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
+        self.stop_from = self.num_prompt_tokens + params.min_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -5,7 +5,7 @@ requests, GPT-2's vocabulary and tokenizer, every request greedy, no stop on EOS
 scheduling, staging the inputs, sampling's bookkeeping, reading the ids back, stop checks and the
 detokenizer's fan-out onto the requests' queues. On a GPU this work runs beside the device's step
 (overlap scheduling); once it is longer than the step, the host bounds throughput, and it is the
-slack a grammar's mask needs (docs/performance.md, "Host time per step").
+slack a grammar's mask needs (docs/performance.md, "The host's time per decode step").
 
     python scripts/bench_host_step.py [--rows 64] [--tokens 256] [--repeats 5] [--stop-strings]
 

@@ -1,10 +1,18 @@
 """The side-stream copy of a grammar's bitmask (rosecli.engine.aside_copy): through the driver and
-through torch, the data arrives, and work queued on the step's stream after it sees the new data."""
+through torch, the data arrives, and work queued on the step's stream after it sees the new data. The
+decode inputs' copy (`RowsCopy`): the per-row fields and the block tables' used columns arrive, nothing
+else is written, and the driver's 2-D copy struct is laid out as cuda.h's."""
+
+import ctypes
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
-from rosecli.engine.aside_copy import AsideCopy, driver
+from rosecli.engine.aside_copy import AsideCopy, Memcpy2D, RowsCopy, driver
+from rosecli.engine.runner import _Staging
 
 
 def test_without_a_gpu_there_is_no_copy_to_make_but_the_driver_lookup_does_not_fail():
@@ -33,3 +41,92 @@ def test_copy_lands_before_the_step_stream_reads(through_driver):
         torch.cuda.synchronize()
         assert torch.equal(seen.cpu(), host), f"step {step}"
     assert (copy.lib is not None) == through_driver  # the driver path did not fall back
+
+
+class _HostDriver:
+    """The two driver calls `RowsCopy` makes, done on host memory as the CUDA documentation defines
+    them (a "device" pointer is a host address here)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cuMemcpyHtoDAsync_v2(self, dst, src, nbytes, stream):
+        self.calls.append(("1d", nbytes, stream))
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def cuMemcpy2DAsync_v2(self, ref, stream):
+        spec = ctypes.cast(ref, ctypes.POINTER(Memcpy2D)).contents
+        assert (spec.srcMemoryType, spec.dstMemoryType) == (1, 2)  # host to device
+        assert spec.srcXInBytes == spec.srcY == spec.dstXInBytes == spec.dstY == 0
+        self.calls.append(("2d", spec.WidthInBytes, spec.Height, stream))
+        for r in range(spec.Height):
+            ctypes.memmove(spec.dstDevice + r * spec.dstPitch, spec.srcHost + r * spec.srcPitch, spec.WidthInBytes)
+        return 0
+
+
+def test_rows_copy_moves_the_row_fields_and_only_the_block_table_columns_a_step_reads():
+    mb, nb = 8, 40  # a long-context model's tables: 40 blocks a row, of which a step's contexts span 3
+    g = torch.Generator().manual_seed(0)
+    nbytes = _Staging.nbytes(mb, nb)
+    dev = _Staging(torch.zeros(nbytes, dtype=torch.uint8), mb, nb)
+    start, tables = _Staging.copied_span(mb, nb, 0)
+    fake = _HostDriver()
+    copy = RowsCopy(fake, dev.buf, start, tables, 4 * nb, stream=7)
+    for step, (rows, blocks) in enumerate([(5, 3), (8, 1), (2, 40)]):
+        host = _Staging(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g), mb, nb)
+        before = dev.buf.clone()
+        assert copy(host.buf, rows, 4 * blocks)
+        for name in ("host_ids", "src", "positions", "slots", "context_lens"):
+            assert torch.equal(getattr(dev, name), getattr(host, name)), (step, name)
+        assert torch.equal(dev.block_tables[:rows, :blocks], host.block_tables[:rows, :blocks])
+        was = _Staging(before, mb, nb)
+        assert torch.equal(dev.block_tables[:rows, blocks:], was.block_tables[:rows, blocks:])  # not copied
+        assert torch.equal(dev.block_tables[rows:], was.block_tables[rows:])
+        assert torch.equal(dev.tokens[:mb], was.tokens[:mb])  # the sampled ids' half of the pool is the device's
+    assert fake.calls[:2] == [("1d", tables - start, 7), ("2d", 12, 5, 7)]
+
+
+def test_the_2d_copy_struct_is_laid_out_as_cuda_h_says():
+    import triton
+
+    header = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "include")
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or not os.path.isfile(os.path.join(header, "cuda.h")):
+        pytest.skip("needs a C compiler and triton's copy of cuda.h")
+    fields = [name for name, _ in Memcpy2D._fields_]
+    src = "#include <stdio.h>\n#include <stddef.h>\n#include \"cuda.h\"\nint main(void) {\n"
+    src += f'  printf("%zu", sizeof(CUDA_MEMCPY2D_v2));\n'
+    src += "".join(f'  printf(" %zu", offsetof(CUDA_MEMCPY2D_v2, {f}));\n' for f in fields) + "  return 0;\n}\n"
+    work = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"rose-memcpy2d-{os.getpid()}")
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(work, "m.c"), "w") as f:
+        f.write(src)
+    subprocess.run([compiler, "-I", header, "-o", os.path.join(work, "m"), os.path.join(work, "m.c")], check=True)
+    got = [int(x) for x in subprocess.run([os.path.join(work, "m")], capture_output=True, text=True,
+                                          check=True).stdout.split()]
+    shutil.rmtree(work, ignore_errors=True)
+    assert got == [ctypes.sizeof(Memcpy2D)] + [getattr(Memcpy2D, f).offset for f in fields]
+
+
+@pytest.mark.gpu
+def test_a_decode_that_copies_the_used_columns_says_what_the_whole_rows_copy_says(tiny_engine_factory):
+    """Through the driver, a step copies only the block-table columns its contexts span; the tokens are
+    those of torch's copy of whole rows (greedy, contexts crossing several blocks)."""
+    from rosecli.engine.config import SamplingParams
+
+    if driver() is None:
+        pytest.fail("libcuda could not be loaded on a machine with a CUDA GPU")
+    prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(6)]
+    params = SamplingParams(max_new_tokens=40, stop_on_eos=False)
+    outs = []
+    for driver_copy in (True, False):
+        engine = tiny_engine_factory(device="cuda", seed=3)
+        runner = engine.runner
+        if not driver_copy:
+            runner._rows_copy = False
+        outs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert bool(runner._rows_copy) == driver_copy  # (the driver's path did not fall back)
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        assert -(-longest // runner.block_size) < runner.max_blocks_per_seq  # some columns were not copied
+    assert outs[0] == outs[1]

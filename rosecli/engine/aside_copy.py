@@ -11,6 +11,11 @@ loaded it falls back to torch's way.
 
 The caller keeps both buffers alive and unchanged until the copy is done (pinned host memory, as
 for any non-blocking copy) and makes sure no kernel still reads the device buffer.
+
+`RowsCopy` uses the same driver for a decode step's inputs, on the step's own stream: the per-row
+fields in one piece and the block tables' first columns as one 2-D copy (``cuMemcpy2DAsync``), so a
+step moves the blocks its contexts span rather than every row's whole table (a 128k-token model has
+8,192 columns: 2 MB a step at 64 rows), in two calls instead of torch's copy.
 """
 
 from __future__ import annotations
@@ -23,6 +28,18 @@ import torch
 
 _lib: Optional[ctypes.PyDLL] = None
 _tried = False
+
+MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2  # CUmemorytype
+
+
+class Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D`` (cuda.h, the ``_v2`` layout that ``cuMemcpy2DAsync_v2`` takes): ``Height`` rows of
+    ``WidthInBytes`` bytes, each row ``srcPitch`` / ``dstPitch`` bytes after the one before."""
+
+    _fields_ = [(f"{side}{name}", kind) for side in ("src", "dst") for name, kind in (
+        ("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("MemoryType", ctypes.c_int), ("Host", ctypes.c_void_p),
+        ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p), ("Pitch", ctypes.c_size_t))] + [
+        ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
 
 
 def driver() -> Optional[ctypes.PyDLL]:
@@ -39,10 +56,14 @@ def driver() -> Optional[ctypes.PyDLL]:
             except OSError:
                 continue
             vp, u64, size = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
-            lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, size, vp]
-            lib.cuEventRecord.argtypes = [vp, vp]
-            lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
-            for f in (lib.cuMemcpyHtoDAsync_v2, lib.cuEventRecord, lib.cuStreamWaitEvent):
+            try:
+                lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, size, vp]
+                lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(Memcpy2D), vp]
+                lib.cuEventRecord.argtypes = [vp, vp]
+                lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
+            except AttributeError:  # not a CUDA driver
+                continue
+            for f in (lib.cuMemcpyHtoDAsync_v2, lib.cuMemcpy2DAsync_v2, lib.cuEventRecord, lib.cuStreamWaitEvent):
                 f.restype = ctypes.c_int
             _lib = lib
             break
@@ -78,3 +99,27 @@ class AsideCopy:
             torch.cuda.set_stream(self.stream)
         self.done.record(self.side)
         self.stream.wait_event(self.done)
+
+
+class RowsCopy:
+    """Host (pinned) to device, on ``stream``: bytes ``[start, tables)`` of a staging buffer as they are,
+    then the first ``width`` bytes of each of the first ``rows`` rows from ``tables`` on (rows ``pitch``
+    bytes apart), into the same offsets of ``dst``. ``lib``: `driver()`'s (a test may give a stand-in)."""
+
+    def __init__(self, lib, dst: torch.Tensor, start: int, tables: int, pitch: int, stream: int):
+        self.lib, self.stream = lib, stream
+        self.dst, self.start, self.tables = dst.data_ptr(), start, tables
+        self.spec = Memcpy2D(srcMemoryType=MEMORYTYPE_HOST, dstMemoryType=MEMORYTYPE_DEVICE,
+                             srcPitch=pitch, dstPitch=pitch, dstDevice=self.dst + tables)
+        self.spec_ref = ctypes.byref(self.spec)
+
+    def __call__(self, src: torch.Tensor, rows: int, width: int) -> bool:
+        """Queue the copy from ``src`` (a host staging buffer laid out as ``dst``); False if the driver
+        refused it (the caller then copies another way)."""
+        lib, spec, start, base = self.lib, self.spec, self.start, src.data_ptr()
+        err = lib.cuMemcpyHtoDAsync_v2(self.dst + start, base + start, self.tables - start, self.stream)
+        if err:
+            return False
+        spec.srcHost = base + self.tables
+        spec.WidthInBytes, spec.Height = width, rows
+        return not lib.cuMemcpy2DAsync_v2(self.spec_ref, self.stream)

@@ -266,6 +266,7 @@ class ModelRunner:
             self._events = [None, None]
         self._flip = 0  # which staging area / sampled buffer the next launch uses
         self._input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (`_copy_decode_inputs`)
+        self._rows_copy = None  # `aside_copy.RowsCopy` once made, False where the driver is not there
         # request id -> its row in the last decode launch (a PENDING input is read from there), and
         # the dict the next launch fills (the two alternate: nothing is allocated per step)
         self._launch_rows: dict[int, int] = {}
@@ -435,16 +436,39 @@ class ModelRunner:
         self._flip ^= 1
         return flip
 
-    def _copy_decode_inputs(self, staging: _Staging, rows: int) -> None:
-        """One host-to-device copy: host ids through the first ``rows`` block-table rows."""
+    def _copy_decode_inputs(self, staging: _Staging, rows: int, blocks: Optional[int] = None) -> None:
+        """Host to device: host ids through the first ``rows`` block-table rows, of which only the first
+        ``blocks`` columns when given (the step's contexts span no more: the kernels read no further).
+        Through the driver (`aside_copy.RowsCopy`) when it loads, else one torch copy of whole rows."""
         if not self.is_cuda:
             return
+        if blocks is not None and self._rows_copy is not False:
+            if self._rows_copy is None:
+                self._rows_copy = self._make_rows_copy()
+            if self._rows_copy and self._rows_copy(staging.buf, rows, 4 * min(blocks, self.max_blocks_per_seq)):
+                return
+            self._rows_copy = False  # (torch's copy from now on)
         key = (id(staging), rows)
         views = self._input_views.get(key)
         if views is None:  # (two slices per step cost the host more than this lookup)
             start, end = _Staging.copied_span(self.max_batch_size, self.max_blocks_per_seq, rows)
             views = self._input_views[key] = (self.dev_staging.buf[start:end], staging.buf[start:end])
         views[0].copy_(views[1], non_blocking=True)
+
+    def _make_rows_copy(self):
+        from rosecli.engine import aside_copy
+
+        lib = aside_copy.driver()
+        if lib is None:
+            return False
+        mb, nb = self.max_batch_size, self.max_blocks_per_seq
+        start, end = _Staging.copied_span(mb, nb, 0)  # (no block-table row: where the tables start)
+        return aside_copy.RowsCopy(lib, self.dev_staging.buf, start, end, 4 * nb, self._step_stream().cuda_stream)
+
+    def _step_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:  # (`record()` looks the current stream up: ~30 us of a step's host time)
+            self._stream = torch.cuda.current_stream(self.device)
+        return self._stream
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -542,7 +566,7 @@ class ModelRunner:
         self.decode_context_tokens += ctx_total
         self._launch_rows, self._next_launch_rows = launch_rows, last_rows
         with stages.range("h2d_copy", rows):
-            self._copy_decode_inputs(host, rows)
+            self._copy_decode_inputs(host, rows, -(-max_ctx // bs))
             self._logits_wanted()
         with stages.range("decode_forward", rows):
             if graph is not None:
@@ -776,9 +800,7 @@ class ModelRunner:
             host.copy_(packed, non_blocking=True)
             lp = (rows, ks, host)
         event = self._events[flip]
-        if self._stream is None:  # (`record()` looks the current stream up: ~30 us of a step's host time)
-            self._stream = torch.cuda.current_stream(self.device)
-        event.record(self._stream)
+        event.record(self._step_stream())
         return self.np_sampled[flip], event, lp
 
     def _execute_prefill(self, plan: StepPlan) -> list[Optional[int]]:

@@ -204,18 +204,6 @@ class OutputProcessor:
                     if req.logprobs is not None:
                         self._add_logprobs(req, logprobs, prompt_logprobs)
                     piece = req.detok.push(tok)
-                    if plain and not req.stops and req.logprobs is None and req.rid not in finishing:
-                        # (`_flush` inline, for the usual token: every token streamed, nothing held back)
-                        if req.unsent:
-                            piece, req.unsent = req.unsent + piece, ""
-                        if piece:
-                            req.parts.append(piece)
-                            req.sent += len(piece)
-                            self._put(req, piece)
-                            req.pending_tokens = 0
-                        else:
-                            req.pending_tokens += 1
-                        continue
                     req.pending_tokens += 1
                     if req.stops and piece and req.output_tokens > req.min_tokens:
                         start = len(req.unsent)
@@ -228,8 +216,19 @@ class OutputProcessor:
                             continue
                     else:
                         req.unsent += piece
-                    # first token at once; a finishing request is flushed below, with the rest of its text
-                    if (req.pending_tokens >= interval or req.output_tokens == 1) and req.rid not in finishing:
+                    if req.rid in finishing:  # flushed below, with the rest of its text
+                        continue
+                    if plain and req.logprobs is None:  # (`_flush` inline, for the usual token)
+                        unsent = req.unsent
+                        upto = len(unsent) - req.holdback
+                        if upto > 0:
+                            piece = unsent[:upto] if req.holdback else unsent
+                            req.unsent = unsent[upto:] if req.holdback else ""
+                            req.parts.append(piece)
+                            req.sent += len(piece)
+                            self._put(req, piece)
+                            req.pending_tokens = 0
+                    elif req.pending_tokens >= interval or req.output_tokens == 1:  # (the first token at once)
                         self._flush(req, now)
                 except Exception as e:  # this request's text failed: it alone fails, below
                     failed = failed or []

@@ -334,10 +334,6 @@ class Scheduler:
             scheduled = [s for s in scheduled if s.status is running_status]
         return StepPlan.decode(scheduled) if scheduled else None
 
-    def _length_reached(self, seq: Sequence, length: int) -> bool:
-        """A sequence of ``length`` tokens may have no more (max_new_tokens or the model's context)."""
-        return length >= seq.length_limit
-
     def _newest_admitted(self) -> Sequence:
         candidates = self.running + self.prefilling
         return max(candidates, key=lambda s: s.arrival_index)

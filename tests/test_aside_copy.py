@@ -1,7 +1,8 @@
 """The side-stream copy of a grammar's bitmask (rosecli.engine.aside_copy): through the driver and
 through torch, the data arrives, and work queued on the step's stream after it sees the new data. The
 decode inputs' copy (`RowsCopy`): the per-row fields and the block tables' used columns arrive, nothing
-else is written, and the driver's 2-D copy struct is laid out as cuda.h's."""
+else is written, and the driver's 2-D copy struct is laid out as cuda.h's. The sampled ids' way back
+(`IdsFetch`): into the step's buffer, then its event."""
 
 import ctypes
 import os
@@ -11,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from rosecli.engine.aside_copy import AsideCopy, Memcpy2D, RowsCopy, driver
+from rosecli.engine.aside_copy import AsideCopy, IdsFetch, Memcpy2D, RowsCopy, driver
 from rosecli.engine.runner import _Staging
 
 
@@ -55,6 +56,15 @@ class _HostDriver:
         ctypes.memmove(dst, src, nbytes)
         return 0
 
+    def cuMemcpyDtoHAsync_v2(self, dst, src, nbytes, stream):
+        self.calls.append(("d2h", nbytes, stream))
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def cuEventRecord(self, event, stream):
+        self.calls.append(("event", event, stream))
+        return 0
+
     def cuMemcpy2DAsync_v2(self, ref, stream):
         spec = ctypes.cast(ref, ctypes.POINTER(Memcpy2D)).contents
         assert (spec.srcMemoryType, spec.dstMemoryType) == (1, 2)  # host to device
@@ -87,6 +97,22 @@ def test_rows_copy_moves_the_row_fields_and_only_the_block_table_columns_a_step_
     assert fake.calls[:2] == [("1d", tables - start, 7), ("2d", 12, 5, 7)]
 
 
+class _Event:
+    def __init__(self, handle):
+        self.cuda_event = handle
+
+
+def test_ids_fetch_copies_a_steps_ids_into_its_buffer_then_records_its_event():
+    hosts = [torch.zeros(16, dtype=torch.long) for _ in range(2)]
+    fake = _HostDriver()
+    fetch = IdsFetch(fake, hosts, [_Event(101), _Event(202)], stream=7)
+    ids = torch.arange(100, 116, dtype=torch.long)
+    assert fetch(ids, 5, 1)
+    assert hosts[1][:5].tolist() == [100, 101, 102, 103, 104] and not hosts[1][5:].any() and not hosts[0].any()
+    assert fetch(None, 3, 0)  # ids already on the host (the masked argmax's graph): the event alone
+    assert fake.calls == [("d2h", 40, 7), ("event", 202, 7), ("event", 101, 7)]
+
+
 def test_the_2d_copy_struct_is_laid_out_as_cuda_h_says():
     import triton
 
@@ -111,22 +137,26 @@ def test_the_2d_copy_struct_is_laid_out_as_cuda_h_says():
 
 @pytest.mark.gpu
 def test_a_decode_that_copies_the_used_columns_says_what_the_whole_rows_copy_says(tiny_engine_factory):
-    """Through the driver, a step copies only the block-table columns its contexts span; the tokens are
-    those of torch's copy of whole rows (greedy, contexts crossing several blocks)."""
+    """Through the driver, a step copies only the block-table columns its contexts span and its ids come back
+    by the driver's copy; the tokens are those of torch's copies (whole rows; greedy and sampled rows, overlapped
+    steps, contexts crossing several blocks)."""
     from rosecli.engine.config import SamplingParams
 
     if driver() is None:
         pytest.fail("libcuda could not be loaded on a machine with a CUDA GPU")
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(6)]
-    params = SamplingParams(max_new_tokens=40, stop_on_eos=False)
+    # greedy rows (the decode graph's argmax) and seeded sampled ones (the sampler's ids)
+    params = [SamplingParams(max_new_tokens=40, stop_on_eos=False, **({"temperature": 0.8, "seed": i} if i % 2 else {}))
+              for i in range(len(prompts))]
     outs = []
     for driver_copy in (True, False):
         engine = tiny_engine_factory(device="cuda", seed=3)
         runner = engine.runner
         if not driver_copy:
-            runner._rows_copy = False
+            runner._rows_copy = runner._ids_fetch = False
         outs.append([o.token_ids for o in engine.generate(prompts, params)])
-        assert bool(runner._rows_copy) == driver_copy  # (the driver's path did not fall back)
-        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        # (the driver's paths did not fall back)
+        assert bool(runner._rows_copy) == driver_copy and bool(runner._ids_fetch) == driver_copy
+        longest = max(len(p) for p in prompts) + params[0].max_new_tokens
         assert -(-longest // runner.block_size) < runner.max_blocks_per_seq  # some columns were not copied
     assert outs[0] == outs[1]

@@ -15,7 +15,8 @@ for any non-blocking copy) and makes sure no kernel still reads the device buffe
 `RowsCopy` uses the same driver for a decode step's inputs, on the step's own stream: the per-row
 fields in one piece and the block tables' first columns as one 2-D copy (``cuMemcpy2DAsync``), so a
 step moves the blocks its contexts span rather than every row's whole table (a 128k-token model has
-8,192 columns: 2 MB a step at 64 rows), in two calls instead of torch's copy.
+8,192 columns: 2 MB a step at 64 rows), in two calls instead of torch's copy. `IdsFetch` queues the
+copy of a step's sampled ids back to the host and the event the host waits on, in two calls.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Memcpy2D(ctypes.Structure):
 
 
 def driver() -> Optional[ctypes.PyDLL]:
-    """libcuda (the driver the CUDA runtime already loaded), its three functions typed, called with the
+    """libcuda (the driver the CUDA runtime already loaded), the functions used here typed, called with the
     GIL held; None if absent."""
     global _lib, _tried
     if not _tried:
@@ -58,12 +59,14 @@ def driver() -> Optional[ctypes.PyDLL]:
             vp, u64, size = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
             try:
                 lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, size, vp]
+                lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, u64, size, vp]
                 lib.cuMemcpy2DAsync_v2.argtypes = [ctypes.POINTER(Memcpy2D), vp]
                 lib.cuEventRecord.argtypes = [vp, vp]
                 lib.cuStreamWaitEvent.argtypes = [vp, vp, ctypes.c_uint]
             except AttributeError:  # not a CUDA driver
                 continue
-            for f in (lib.cuMemcpyHtoDAsync_v2, lib.cuMemcpy2DAsync_v2, lib.cuEventRecord, lib.cuStreamWaitEvent):
+            for f in (lib.cuMemcpyHtoDAsync_v2, lib.cuMemcpyDtoHAsync_v2, lib.cuMemcpy2DAsync_v2, lib.cuEventRecord,
+                      lib.cuStreamWaitEvent):
                 f.restype = ctypes.c_int
             _lib = lib
             break
@@ -123,3 +126,21 @@ class RowsCopy:
         spec.srcHost = base + self.tables
         spec.WidthInBytes, spec.Height = width, rows
         return not lib.cuMemcpy2DAsync_v2(self.spec_ref, self.stream)
+
+
+class IdsFetch:
+    """Device to host (pinned), on ``stream``: a step's sampled ids into one of two host buffers, then an event
+    recorded after the copy (``events``: torch events, made on the device already). ``lib``: `driver()`'s."""
+
+    def __init__(self, lib, hosts: list, events: list, stream: int):
+        self.lib, self.stream = lib, stream
+        self.hosts = [h.data_ptr() for h in hosts]
+        self.events = [e.cuda_event for e in events]
+
+    def __call__(self, ids: Optional[torch.Tensor], n: int, flip: int) -> bool:
+        """Copy the ``n`` ids of ``ids`` (int64, contiguous; None: already copied) into host buffer ``flip`` and
+        record event ``flip``; False if the driver refused either (the caller then does both through torch)."""
+        lib = self.lib
+        if ids is not None and lib.cuMemcpyDtoHAsync_v2(self.hosts[flip], ids.data_ptr(), 8 * n, self.stream):
+            return False
+        return not lib.cuEventRecord(self.events[flip], self.stream)

@@ -267,6 +267,7 @@ class ModelRunner:
         self._flip = 0  # which staging area / sampled buffer the next launch uses
         self._input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (`_copy_decode_inputs`)
         self._rows_copy = None  # `aside_copy.RowsCopy` once made, False where the driver is not there
+        self._ids_fetch = None  # `aside_copy.IdsFetch`, the same way (`_fetch`)
         # request id -> its row in the last decode launch (a PENDING input is read from there), and
         # the dict the next launch fills (the two alternate: nothing is allocated per step)
         self._launch_rows: dict[int, int] = {}
@@ -464,6 +465,17 @@ class ModelRunner:
         mb, nb = self.max_batch_size, self.max_blocks_per_seq
         start, end = _Staging.copied_span(mb, nb, 0)  # (no block-table row: where the tables start)
         return aside_copy.RowsCopy(lib, self.dev_staging.buf, start, end, 4 * nb, self._step_stream().cuda_stream)
+
+    def _make_ids_fetch(self):
+        from rosecli.engine import aside_copy
+
+        lib = aside_copy.driver()
+        if lib is None:
+            return False
+        stream = self._step_stream()
+        for event in self._events:  # (torch makes an event on its first record)
+            event.record(stream)
+        return aside_copy.IdsFetch(lib, self.h_sampled, self._events, stream.cuda_stream)
 
     def _step_stream(self) -> torch.cuda.Stream:
         if self._stream is None:  # (`record()` looks the current stream up: ~30 us of a step's host time)
@@ -787,10 +799,6 @@ class ModelRunner:
             out = self.np_sampled[flip]
             out[:batch] = ids.numpy()
             return out, None, lp
-        if self._ids_on_host:  # (the masked-argmax graph copied them)
-            self._ids_on_host = False
-        else:
-            self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
         if lp is not None:
             rows, ks, packed = lp
             if self._h_lp[flip] is None:
@@ -799,8 +807,18 @@ class ModelRunner:
             host = self._h_lp[flip][:packed.numel()].view(packed.shape)
             host.copy_(packed, non_blocking=True)
             lp = (rows, ks, host)
+        copied = self._ids_on_host  # (the masked-argmax graph copied them)
+        self._ids_on_host = False
+        fetch = self._ids_fetch
+        if fetch is None:
+            fetch = self._ids_fetch = self._make_ids_fetch()
         event = self._events[flip]
-        event.record(self._step_stream())
+        # the ids' copy and the event through the driver: two calls in place of torch's copy_ and record
+        if not (fetch and ids.dtype == torch.long and ids.is_contiguous()
+                and fetch(None if copied else ids, batch, flip)):
+            if not copied:
+                self.h_sampled[flip][:batch].copy_(ids, non_blocking=True)
+            event.record(self._step_stream())
         return self.np_sampled[flip], event, lp
 
     def _execute_prefill(self, plan: StepPlan) -> list[Optional[int]]:

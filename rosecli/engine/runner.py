@@ -267,7 +267,7 @@ class ModelRunner:
         self._flip = 0  # which staging area / sampled buffer the next launch uses
         self._input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (`_copy_decode_inputs`)
         self._rows_copy = None  # `aside_copy.RowsCopy` once made, False where the driver is not there
-        self._ids_fetch = None  # `aside_copy.IdsFetch`, the same way (`_fetch`)
+        self._ids_fetch = None  # `aside_copy.IdsFetch`, the same way (`_fetch`; both from `_make_driver_copies`)
         # request id -> its row in the last decode launch (a PENDING input is read from there), and
         # the dict the next launch fills (the two alternate: nothing is allocated per step)
         self._launch_rows: dict[int, int] = {}
@@ -445,7 +445,7 @@ class ModelRunner:
             return
         if blocks is not None and self._rows_copy is not False:
             if self._rows_copy is None:
-                self._rows_copy = self._make_rows_copy()
+                self._make_driver_copies()
             if self._rows_copy and self._rows_copy(staging.buf, rows, 4 * min(blocks, self.max_blocks_per_seq)):
                 return
             self._rows_copy = False  # (torch's copy from now on)
@@ -456,26 +456,24 @@ class ModelRunner:
             views = self._input_views[key] = (self.dev_staging.buf[start:end], staging.buf[start:end])
         views[0].copy_(views[1], non_blocking=True)
 
-    def _make_rows_copy(self):
+    def _make_driver_copies(self) -> None:
+        """`aside_copy.RowsCopy` and `aside_copy.IdsFetch` on the step's stream, for whichever of `_rows_copy` /
+        `_ids_fetch` is not decided yet; False where the driver is not there (torch's copies)."""
         from rosecli.engine import aside_copy
 
         lib = aside_copy.driver()
-        if lib is None:
-            return False
-        mb, nb = self.max_batch_size, self.max_blocks_per_seq
-        start, end = _Staging.copied_span(mb, nb, 0)  # (no block-table row: where the tables start)
-        return aside_copy.RowsCopy(lib, self.dev_staging.buf, start, end, 4 * nb, self._step_stream().cuda_stream)
-
-    def _make_ids_fetch(self):
-        from rosecli.engine import aside_copy
-
-        lib = aside_copy.driver()
-        if lib is None:
-            return False
         stream = self._step_stream()
-        for event in self._events:  # (torch makes an event on its first record)
-            event.record(stream)
-        return aside_copy.IdsFetch(lib, self.h_sampled, self._events, stream.cuda_stream)
+        if self._rows_copy is None:
+            mb, nb = self.max_batch_size, self.max_blocks_per_seq
+            start, end = _Staging.copied_span(mb, nb, 0)  # (no block-table row: where the tables start)
+            self._rows_copy = lib is not None and aside_copy.RowsCopy(lib, self.dev_staging.buf, start, end, 4 * nb,
+                                                                      stream.cuda_stream)
+        if self._ids_fetch is None:
+            if lib is not None:
+                for event in self._events:  # (torch makes an event on its first record)
+                    event.record(stream)
+            self._ids_fetch = lib is not None and aside_copy.IdsFetch(lib, self.h_sampled, self._events,
+                                                                      stream.cuda_stream)
 
     def _step_stream(self) -> torch.cuda.Stream:
         if self._stream is None:  # (`record()` looks the current stream up: ~30 us of a step's host time)
@@ -809,9 +807,9 @@ class ModelRunner:
             lp = (rows, ks, host)
         copied = self._ids_on_host  # (the masked-argmax graph copied them)
         self._ids_on_host = False
+        if self._ids_fetch is None:
+            self._make_driver_copies()
         fetch = self._ids_fetch
-        if fetch is None:
-            fetch = self._ids_fetch = self._make_ids_fetch()
         event = self._events[flip]
         # the ids' copy and the event through the driver: two calls in place of torch's copy_ and record
         if not (fetch and ids.dtype == torch.long and ids.is_contiguous()

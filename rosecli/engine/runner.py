@@ -27,9 +27,11 @@ import torch
 
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
 from rosecli.engine.block_manager import slots_of
+from rosecli.engine import prefill_graphs
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from rosecli.engine.prefill_graphs import PrefillGraphs
 from rosecli.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, pick, prompt_logprobs, row_logprobs, unpack
 from rosecli.engine.sampling_state import SamplerState
 from rosecli.engine.sequence import PENDING, Sequence
@@ -174,6 +176,7 @@ class ModelRunner:
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
         self.graphs: dict[int, _DecodeGraph] = {}
+        self.prefill_graphs: Optional[PrefillGraphs] = None  # small prefills as graphs (`prefill_graphs`)
         # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
         self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}
@@ -301,6 +304,9 @@ class ModelRunner:
             self._capture_graphs(progress)
             torch.cuda.synchronize(self.device)
             self.startup_times["graph_capture_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            self._capture_prefill_graphs(progress)
+            self.startup_times["prefill_graph_capture_s"] = time.perf_counter() - t0
         return self.startup_times
 
     def _warmup_kernels(self) -> None:
@@ -411,6 +417,25 @@ class ModelRunner:
             self.graphs[batch] = _DecodeGraph(graph, logits, greedy)
             if progress:
                 progress("capture", done + 1, len(sizes))
+
+    def _capture_prefill_graphs(self, progress) -> None:
+        """Graphs of small prefills (`prefill_graphs`), with the Triton kernels, on one rank; a capture that fails
+        leaves every prefill eager (logged)."""
+        if not self.use_triton or self.config.tensor_parallel_size != 1:
+            return
+        cfg = self.config
+        rows = max(cfg.prefill_max_batch_size, cfg.max_batch_size)  # (the scheduler's most sampled rows a prefill)
+        pg = prefill_graphs.build(self.model, self.device, self.block_size, cfg.prefill_max_batch_size, rows,
+                                  min(cfg.prefill_max_tokens, self.max_model_len))
+        if pg is None:
+            return
+        try:
+            pg.capture(progress)
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - eager prefill is always correct
+            self.log(f"prefill graph capture failed ({type(e).__name__}: {e}); prefills run eagerly")
+            return
+        self.prefill_graphs = pg
 
     # --- execution --------------------------------------------------------------------------
     def _decode_forward(self, batch: int, meta: AttentionMetadata):
@@ -855,29 +880,38 @@ class ModelRunner:
                         out_at.append(len(seqs) + n_forks - 1)
             width = max(len(s.block_table) for s in seqs)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-        with stages.range("h2d_copy", len(input_ids)):
-            dev = self.device
-            meta = AttentionMetadata(
-                is_prefill=True,
-                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
-                context_lens=torch.tensor(ctx_lens, dtype=torch.int32).to(dev, non_blocking=True),
-                max_context_len=max(ctx_lens), use_triton=self.use_triton,
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-                max_seqlen_q=max(num_new_tokens), has_prefix=has_prefix)
-            ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
-            pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
-        with stages.range("prefill_forward", len(input_ids)):
-            hidden = self.model(ids_t, pos_t, meta)
-            self.prompt_logprobs, self.prefill_logprobs = {}, {}
-            for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
-                if s.params.prompt_logprobs is not None and not s.num_output_tokens:  # (not when recomputed)
-                    self._prompt_logprobs(s, s.num_computed_tokens, n, cu[i], hidden)
-            out: list[Optional[int]] = [None] * (len(seqs) + n_forks)
+            wants_plp = any(s.params.prompt_logprobs is not None and not s.num_output_tokens for s in seqs)
+        pg = self.prefill_graphs
+        size = None if pg is None or wants_plp else pg.pick(len(input_ids), len(seqs), len(last_rows), width)
+        self.prompt_logprobs, self.prefill_logprobs = {}, {}
+        out: list[Optional[int]] = [None] * (len(seqs) + n_forks)
+        if size is not None:  # a small prefill: its graph (the input copy counts as the forward's)
+            with stages.range("prefill_forward", len(input_ids)):
+                logits = pg.run(size, input_ids, positions, slots, cu, ctx_lens, tables, last_rows)
             if not picked:
                 return out
-            rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        else:
+            with stages.range("h2d_copy", len(input_ids)):
+                dev = self.device
+                meta = AttentionMetadata(
+                    is_prefill=True,
+                    slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+                    block_tables=torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True),
+                    context_lens=torch.tensor(ctx_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                    max_context_len=max(ctx_lens), use_triton=self.use_triton,
+                    cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+                    max_seqlen_q=max(num_new_tokens), has_prefix=has_prefix)
+                ids_t = torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True)
+                pos_t = torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True)
+            with stages.range("prefill_forward", len(input_ids)):
+                hidden = self.model(ids_t, pos_t, meta)
+                for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
+                    if s.params.prompt_logprobs is not None and not s.num_output_tokens:  # (not when recomputed)
+                        self._prompt_logprobs(s, s.num_computed_tokens, n, cu[i], hidden)
+                if not picked:
+                    return out
+                rows = torch.tensor(last_rows, dtype=torch.long).to(dev, non_blocking=True)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
         flip = self._next_buffers()
         with self.stages.range("sampling", len(picked)):
             for s in picked:

@@ -80,7 +80,7 @@ def header_lines(info: dict) -> list[str]:
 
 
 _STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "graph_capture_s": "graph capture",
-                  "gemm_warmup_s": "GEMM warm-up"}
+                  "gemm_warmup_s": "GEMM warm-up", "prefill_graph_capture_s": "prefill graph capture"}
 
 
 def startup_line(startup: dict) -> str:

@@ -22,7 +22,7 @@ Times are seconds, rates tokens/s; a figure that could not be measured is ``null
   git checkout), ``dirty`` (tracked files changed since that commit; null without git),
   ``time`` (UTC, ISO 8601).
 - ``startup``: seconds spent before any run, e.g. ``model_load_s``, ``compile_s``,
-  ``graph_capture_s``; never part of a run's figures.
+  ``graph_capture_s``, ``prefill_graph_capture_s``; never part of a run's figures.
 - ``runs``: every run in order, warm-ups first: ``{"label": "warmup 1/1", "warmup": true,
   "figures": {...}, "errors": [...]}``. Figures are flat keys: for stream
   ``metrics.flatten`` (``throughput_completion``, ``throughput_total``, ``wall_s``,

@@ -10,8 +10,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 
 # stage -> what the status line says while it runs; stages with a known total also get a bar
 _LABELS = {"import": "importing torch", "load": "loading weights", "convert": "converting the model (once)",
-           "compile": "compiling kernels", "capture": "capturing CUDA graphs"}
-_BARS = ("convert", "capture")
+           "compile": "compiling kernels", "capture": "capturing CUDA graphs",
+           "capture_prefill": "capturing prefill graphs"}
+_BARS = ("convert", "capture", "capture_prefill")
 
 
 @contextmanager

@@ -80,7 +80,7 @@ class PrefillGraphs:
                 pool = graph.pool()
             self.graphs[T] = (graph, logits)
             if progress:
-                progress("capture prefill", done + 1, len(self.sizes))
+                progress("capture_prefill", done + 1, len(self.sizes))
 
     def _forward(self, T: int) -> torch.Tensor:
         d, S, W = self.dev, self.seqs, self.width

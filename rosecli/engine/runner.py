@@ -964,6 +964,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self.graphs.clear()
+        self.prefill_graphs = None
         self._sampler_graphs.clear()
         self._masked_replays.clear()
         for attn in self.model.attention_layers():

@@ -25,13 +25,12 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from rosecli.engine import prefill_graphs
 from rosecli.engine.attention import AttentionMetadata, with_decode_gather
 from rosecli.engine.block_manager import slots_of
-from rosecli.engine import prefill_graphs
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.errors import ConfigError, RequestError
 from rosecli.engine.kv_cache import allocate_kv_cache, kv_bytes_per_block
-from rosecli.engine.prefill_graphs import PrefillGraphs
 from rosecli.engine.logprobs import MAX_LOGPROBS, TokenLogprobs, pick, prompt_logprobs, row_logprobs, unpack
 from rosecli.engine.sampling_state import SamplerState
 from rosecli.engine.sequence import PENDING, Sequence
@@ -176,7 +175,7 @@ class ModelRunner:
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
         self.graphs: dict[int, _DecodeGraph] = {}
-        self.prefill_graphs: Optional[PrefillGraphs] = None  # small prefills as graphs (`prefill_graphs`)
+        self.prefill_graphs: Optional[prefill_graphs.PrefillGraphs] = None  # small prefills as graphs (`prefill_graphs`)
         # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
         self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}

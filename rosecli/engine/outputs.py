@@ -102,7 +102,7 @@ def find_stop(text: str, stops: list[str], start: int) -> int:
 class RequestState:
     """One request's text and stream, owned by the worker thread once the request is admitted."""
 
-    __slots__ = ("rid", "params", "stops", "min_tokens", "queue", "sink", "detok", "parts", "unsent", "final_text", "sent",
+    __slots__ = ("rid", "params", "stops", "min_tokens", "queue", "sink", "detok", "parts", "unsent", "final_text", "bare",
                  "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
                  "abandoned", "cached_tokens", "error", "token_ids", "logprobs", "prompt_logprobs",
                  "lp_unsent", "plp_unsent")
@@ -120,7 +120,6 @@ class RequestState:
         self.parts: list[str] = []
         self.unsent = ""
         self.final_text: Optional[str] = None  # the whole text, once finished
-        self.sent = 0  # characters of text already put on the queue
         self.pending_tokens = 0
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
         self.prompt_tokens = 0
@@ -137,6 +136,7 @@ class RequestState:
         self.prompt_logprobs: Optional[list] = None
         self.lp_unsent = 0  # logprobs not yet sent with a piece (the last ones of ``logprobs``)
         self.plp_unsent = False
+        self.bare = not self.stops and self.logprobs is None  # each piece goes out as the detokenizer gives it
 
     @property
     def text(self) -> str:
@@ -204,6 +204,11 @@ class OutputProcessor:
                     if req.logprobs is not None:
                         self._add_logprobs(req, logprobs, prompt_logprobs)
                     piece = req.detok.push(tok)
+                    if plain and req.bare and req.rid not in finishing:  # (no stop string, no logprobs: as it is)
+                        if piece:
+                            req.parts.append(piece)
+                            self._put(req, piece)
+                        continue
                     req.pending_tokens += 1
                     if req.stops and piece and req.output_tokens > req.min_tokens:
                         start = len(req.unsent)
@@ -225,7 +230,6 @@ class OutputProcessor:
                             piece = unsent[:upto] if req.holdback else unsent
                             req.unsent = unsent[upto:] if req.holdback else ""
                             req.parts.append(piece)
-                            req.sent += len(piece)
                             self._put(req, piece)
                             req.pending_tokens = 0
                     elif req.pending_tokens >= interval or req.output_tokens == 1:  # (the first token at once)
@@ -285,7 +289,6 @@ class OutputProcessor:
             piece = unsent[:upto] if upto > 0 else ""
             req.unsent = unsent[upto:] if upto > 0 else unsent
             req.parts.append(piece)
-            req.sent += len(piece)
             self._put(req, piece if req.logprobs is None else self._with_logprobs(req, piece))
             if self.record_timestamps:
                 req.ts.flush_times.append(now)

@@ -223,7 +223,7 @@ class OutputProcessor:
                         req.unsent += piece
                     if req.rid in finishing:  # flushed below, with the rest of its text
                         continue
-                    if plain and req.logprobs is None:  # (`_flush` inline, for the usual token)
+                    if plain and req.logprobs is None:  # (`_flush` inline: a request with stop strings, held back)
                         unsent = req.unsent
                         upto = len(unsent) - req.holdback
                         if upto > 0:

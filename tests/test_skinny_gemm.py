@@ -340,6 +340,18 @@ def test_norm_fold_table():
     assert kv_in_gemm(1) and not any(kv_in_gemm(rows) for rows in (2, 16, 64))
 
 
+def test_prefetch_table():
+    """At 2-64 rows a program asks for the rest of its weights (every line past its first tile, in a power of two of
+    lines); at one row none (the 1-1.5B shapes' steps measured 11-12% slower with it), nor with nothing left."""
+    from rosecli.kernels.launch_table import prefetch_lines
+
+    for rows in (2, 16, 64):
+        assert prefetch_lines(rows, 3072 - 512, 64) == 64  # GPT-2's mlp_proj (fp16: 64 elements a line)
+        assert prefetch_lines(rows, 768 - 128, 64) == 16 and prefetch_lines(rows, 65, 64) == 2
+        assert prefetch_lines(rows, 0, 64) == 0
+    assert prefetch_lines(1, 3072 - 512, 64) == 0
+
+
 def test_residual_statistics_table(monkeypatch):
     """The GEMM pairs around a norm run at 2-64 rows for the small models' layers (GPT-2, SmolLM2-135M), not for
     layers the table leaves to cuBLAS there (Llama-3.2-1B's); at one row for the 1.5B-8B models' widths only."""
@@ -548,7 +560,7 @@ for dot in (False, True):
                       USE_DOT=dot, HAS_BIAS=not swiglu, GELU=False, SWIGLU=swiglu, NORM=norm, HAS_XB=False,
                       HAS_RES=bool(norm) and not from_stats, HAS_NB=norm == 1, KV_STORE=False, KV_HEAD_DIM=1,
                       KV_BLOCK=1, NUM_STAGES=3, PDL=True, FROM_STATS=bool(from_stats), RES_OUT=res_out,
-                      STATS_PAD=32, SCALED_OUT=bool(scaled), ROPE=False)
+                      STATS_PAD=32, SCALED_OUT=bool(scaled), ROPE=False, PF_LINES=64 if dot else 0, LINE=64)
         if not dot and not res_out and not swiglu:  # Llama's q/k/v at one row: K/V stored, q and k rotated
             consts.update(KV_STORE=True, KV_HEAD_DIM=64, KV_BLOCK=16, ROPE=True)
         f32 = {"part_ptr", "st_ptr", "cos_ptr", "sin_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
@@ -556,10 +568,13 @@ for dot in (False, True):
                "*i32" if n == "ticket_ptr" else "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32
                else "*fp16" for n in kernel.arg_names}
         try:
-            compile(ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}),
-                    target=GPUTarget("cuda", 90, 32))
+            ptx = compile(ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}),
+                          target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         except Exception as e:  # noqa: BLE001
             failed.append(f"{consts}: {type(e).__name__}: {str(e)[-600:]}")
+            continue
+        if ("prefetch.global.L2" in ptx) != (consts["PF_LINES"] > 0):  # (not dropped as an unused result)
+            failed.append(f"{consts}: {ptx.count('prefetch.global.L2')} L2 prefetches in the PTX")
 print("\\n".join(failed))
 sys.exit(1 if failed else 0)
 """
@@ -568,8 +583,9 @@ sys.exit(1 if failed else 0)
 def test_kernel_variants_compile_for_hopper():
     """The variants the decode steps launch compile for the H100 (sm_90), not only run under the interpreter, which
     takes code Triton's compiler refuses (a function returning a float32 tile on one branch and an fp16 one on
-    another ran in the interpreter and failed to compile on the GPU). In a process of its own: the tests run
-    the kernels interpreted."""
+    another ran in the interpreter and failed to compile on the GPU), and those that prefetch into L2 keep their
+    prefetches (`pdl.l2_prefetch`, which the interpreter cannot run). In a process of its own: the tests run the
+    kernels interpreted."""
     import os
     import subprocess
     import sys

@@ -152,6 +152,20 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
     return SkinnyLaunch(32, 256, 1, 4, 3) if n >= 2048 else SkinnyLaunch(16, 128, 1, 4, 4)
 
 
+def prefetch_lines(rows: int, rest: int, line: int) -> int:
+    """How many L2 lines (of ``line`` weight elements) in each row of its weights a skinny GEMM program of ``rows``
+    rows asks for while it waits on the kernel before (`pdl.l2_prefetch`), ``rest`` being what it reads past its
+    first K tile (which it loads into registers then): a power of two covering ``rest``, or 0 (none).
+
+    Measured on the H100 (`rose profile --decode-step`, ``ROSE_PREFETCH_OFF=all`` against on, one call, twice each,
+    us per step): at 16 and 64 rows GPT-2 388 -> 375 and 522 -> 506, SmolLM2-135M 714 -> 659 and 853 -> 808; at one
+    row GPT-2 and SmolLM2-135M unchanged (290, 524) but Llama-3.2-1B 1,073 -> 1,205 and Qwen2.5-1.5B 1,488 -> 1,660
+    (their one-row programs stream large weights at near the read rate; the prefetches double the requests). So
+    one row asks for none. (The decode kernel asking for its first K/V tile the same way measured -0.7..+0.2%: not
+    kept.)"""
+    return 1 << (-(-rest // line) - 1).bit_length() if rows > 1 and rest > 0 else 0
+
+
 def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":
     """The launch of `skinny_gemm.skinny_norm_linear` (the `norm.add_norm` before a skinny GEMM of ``rows`` x
     [n, k] run in its prologue), or None: keep the add_norm kernel.

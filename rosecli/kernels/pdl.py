@@ -14,6 +14,12 @@ first; the skinny GEMM fetches its first weight tile (which no kernel writes) be
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
 ``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax), for A/B
 measurements; ``ROSE_SKINNY_PDL=0`` (older) is ``ROSE_PDL_OFF=skinny``.
+
+While it waits, a kernel launched early can also ask for what it will read into the L2 cache (`l2_prefetch`):
+the skinny GEMM at 2-64 rows asks for the rest of its weights. Such a step is bound by latency, not by the read
+rate, so those reads then overlap the kernel before instead of following it. A prefetch is a hint: it changes no
+result, and since the L2 is where the device's writes meet, a line fetched before a kernel before writes it is
+not stale. ``ROSE_PREFETCH_OFF=skinny`` (or ``all``) turns it off.
 """
 
 import functools
@@ -27,6 +33,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENABLED = os.environ.get("ROSE_PDL", "1") != "0"
 OFF = frozenset([k for k in os.environ.get("ROSE_PDL_OFF", "").split(",") if k]
                 + (["skinny"] if os.environ.get("ROSE_SKINNY_PDL", "1") == "0" else []))
+PREFETCH_OFF = frozenset(k for k in os.environ.get("ROSE_PREFETCH_OFF", "").split(",") if k)
+LINE_BYTES = 128  # the L2's line: what one prefetch brings
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +42,19 @@ def use_pdl(device: torch.device, kernel: str = "") -> bool:
     """Whether ``kernel`` (a name for ``ROSE_PDL_OFF``) is launched with PDL on ``device``: a CUDA device of compute
     capability 9 or later."""
     return ENABLED and kernel not in OFF and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_prefetch(device: torch.device, kernel: str) -> bool:
+    """Whether ``kernel`` (skinny), launched early (`use_pdl`), prefetches its reads into L2 while it waits."""
+    return "all" not in PREFETCH_OFF and kernel not in PREFETCH_OFF and use_pdl(device, kernel)
+
+
+@triton.jit
+def l2_prefetch(ptrs):
+    """Asks for the L2 lines holding ``ptrs`` (a tensor of pointers, each line once is enough), not waiting for them
+    nor keeping anything in registers: PTX ``prefetch.global.L2``, one per element. Not in the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -50,9 +50,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rosecli.kernels import activation
 from rosecli.kernels.activation import gelu_tanh, silu
-from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.launch_table import SkinnyLaunch, prefetch_lines, skinny_launch
 from rosecli.kernels.norm import add_norm_ref
-from rosecli.kernels.pdl import use_pdl
+from rosecli.kernels.pdl import LINE_BYTES, l2_prefetch, use_pdl, use_prefetch
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
 
@@ -185,7 +185,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
-                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr, ROPE: tl.constexpr):
+                   RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr, ROPE: tl.constexpr,
+                   PF_LINES: tl.constexpr, LINE: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -220,6 +221,13 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     w = tl.load(w_ptrs, mask=wmask, other=0.0)
     if SWIGLU:
         wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
+    if PF_LINES > 0:  # (`pdl.l2_prefetch`) the rest of this program's weights, a line (LINE elements) at a time,
+        # asked for now: after the wait the loop reads them from L2 instead of waiting on memory
+        pk = tl.minimum(k_lo + BLOCK_K + tl.arange(0, PF_LINES) * LINE, k_hi - 1)
+        pw = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn + pk[None, :]
+        l2_prefetch(pw)
+        if SWIGLU:
+            l2_prefetch(pw + up_off)
     if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
         gdc_wait()
     if FROM_STATS:  # x is the residual stream (with norm-folded weights) or the stream times the norm's scale (with
@@ -520,6 +528,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         split, k_per_split = 1, K  # (no ticket buffer yet, and none can be made while a graph is captured)
         grid = grid[:2] + (1,)
     pdl = use_pdl(x.device, "skinny")  # (`kernels.pdl`)
+    line = LINE_BYTES // weight.element_size()
+    pf_lines = prefetch_lines(M, k_per_split - cfg.block_k, line) if use_prefetch(x.device, "skinny") else 0
     if split > 1:
         part = torch.empty((2 * split if swiglu else split, M, N), dtype=torch.float32, device=x.device)
         ticket = _ticket_buffer(x.device, grid[0] * grid[1])
@@ -566,7 +576,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          FROM_STATS=stats is not None,
                          RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
                          STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALED_OUT=scaled is not None,
-                         ROPE=rope is not None, num_warps=cfg.num_warps, launch_pdl=pdl)
+                         ROPE=rope is not None, PF_LINES=pf_lines, LINE=line, num_warps=cfg.num_warps,
+                         launch_pdl=pdl)
     if out_stats is not None:
         return y, out_stats
     return y, total

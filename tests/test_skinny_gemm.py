@@ -4,6 +4,7 @@ on the GPU whole fp16 models with the kernel against the same models on cuBLAS."
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine_utils import rel_err, same_greedy
@@ -378,6 +379,30 @@ def test_residual_statistics_table(monkeypatch):
     assert stats_fold(1, 6144, 4096) == SkinnyLaunch(4, 512, 1, 2, 3)
     assert stats_fold(1, 4096, 14336, before=True).num_warps == 4
     assert stats_fold(1, 1536, 1536, before=True).num_warps == 2
+
+
+def test_one_row_logits_gemm_takes_the_kernel(monkeypatch):
+    """A decode step's logits GEMM at one row (fused ops) runs on the kernel with the output rows padded, giving
+    cuBLAS's logits to fp16 rounding and the same greedy token; at two rows, or without fused ops, cuBLAS's."""
+    from rosecli.engine.models import common
+
+    monkeypatch.setattr(common, "_skinny_device", lambda x: True)
+    calls = []
+    real = skinny_gemm.skinny_linear
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    torch.manual_seed(0)
+    padded = torch.zeros(320, 64, dtype=torch.float16)
+    padded[:300] = torch.randn(300, 64, dtype=torch.float16) / 8
+    weight = padded[:300]
+    for rows, fused, kernel in ((1, True, True), (2, True, False), (1, False, False)):
+        hidden = torch.randn(rows, 64, dtype=torch.float16)
+        got = common.logits_gemm(hidden, weight, padded, fused)
+        assert got.shape == (rows, 320) and (len(calls) == 1) == kernel
+        want = F.linear(hidden.float(), padded.float())
+        torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=4e-3)
+        assert torch.equal(got[:, :300].float().argmax(-1), want[:, :300].argmax(-1))
+        assert torch.count_nonzero(got[:, 300:]) == 0
+        calls.clear()
 
 
 def test_models_route_decode_rows_through_the_kernel(monkeypatch):

@@ -446,7 +446,7 @@ class ModelRunner:
         input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
         hidden = self.model(input_ids, d.positions[:batch], meta)
         gemm = getattr(self.model, "logits_gemm", None) if self.use_graphs else None
-        raw = gemm(hidden) if gemm is not None else None
+        raw = gemm(hidden, meta.fused_ops) if gemm is not None else None
         if raw is not None:  # in the decode graph: one pass makes the float32 logits and the greedy argmax
             logits, greedy = logits_argmax(raw, self.model.vocab_size, store_flag=self._store_logits)
         else:

@@ -7,6 +7,7 @@ print rows in this file's form; each section says what has been measured and wha
 """
 
 import math
+import os
 from typing import NamedTuple
 
 # --- paged decode -------------------------------------------------------------------------------
@@ -164,6 +165,18 @@ def prefetch_lines(rows: int, rest: int, line: int) -> int:
     one row asks for none. (The decode kernel asking for its first K/V tile the same way measured -0.7..+0.2%: not
     kept.)"""
     return 1 << (-(-rest // line) - 1).bit_length() if rows > 1 and rest > 0 else 0
+
+
+SKINNY_LOGITS = os.environ.get("ROSE_SKINNY_LOGITS", "1") != "0"  # (0: the logits GEMM on cuBLAS at one row too)
+
+
+def skinny_logits(rows: int) -> bool:
+    """Whether the logits GEMM of a decode step of ``rows`` rows runs on the skinny kernel (`skinny_launch`'s one-row
+    launch) rather than cuBLAS: at one row. Measured on the H100 (`rose profile --decode-step --decode-batch-sizes 1`,
+    ``ROSE_SKINNY_LOGITS=0`` -> 1, one call, us per step): GPT-2 289.6 -> 285.9, Llama-3.2-1B 1,072.8 -> 1,056.4,
+    Qwen2.5-1.5B 1,487.5 -> 1,476.1, Llama-3.1-8B 5,379.8 -> 5,345.5; SmolLM2-135M 522.4 -> 526.2 (inside the 522-526 it
+    measured in every call that day). At 2-64 rows the layer is past the size `skinny_launch` gives the kernel."""
+    return rows == 1 and SKINNY_LOGITS
 
 
 def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":

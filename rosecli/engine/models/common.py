@@ -21,7 +21,8 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import fold_copy, fold_norm, kv_in_gemm, skinny_launch, stats_fold, stats_pair
+from rosecli.kernels.launch_table import (fold_copy, fold_norm, kv_in_gemm, skinny_launch, skinny_logits, stats_fold,
+                                          stats_pair)
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
 
@@ -84,11 +85,17 @@ def output_linear(width: int, rows: int, padded: Optional[torch.Tensor]) -> nn.L
     return linear
 
 
-def logits_gemm(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:
+def logits_gemm(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor],
+                fused: bool = False) -> torch.Tensor:
     """The logits GEMM alone: ``hidden @ W^T`` in the weights' dtype, W = ``padded`` (the tensor
     ``weight`` is the first rows of) when given, else ``weight``: [N, rows of W], the columns past
-    ``weight``'s rows zero."""
-    return F.linear(hidden, weight if padded is None else padded)
+    ``weight``'s rows zero. ``fused`` (a decode step's fused ops), one row: on `skinny_gemm` where
+    `launch_table.skinny_logits` says so, else cuBLAS."""
+    w = weight if padded is None else padded
+    if (fused and SKINNY_GEMM and skinny_logits(hidden.shape[0]) and _skinny_device(hidden)
+            and skinny_gemm.supported(hidden, w)):
+        return skinny_gemm.skinny_linear(hidden, w, launch=skinny_launch(1, w.shape[0], w.shape[1]))
+    return F.linear(hidden, w)
 
 
 def output_logits(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[torch.Tensor]) -> torch.Tensor:

@@ -76,11 +76,12 @@ class GPT2ForCausalLM(nn.Module):
             return output_logits(hidden, self.wte.weight, self.logits_weight)
         return self.lm_head(hidden).float()
 
-    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def logits_gemm(self, hidden: torch.Tensor, fused: bool = False) -> Optional[torch.Tensor]:
         """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
         vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
-        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
-        return None if self.lm_head is not None else logits_gemm(hidden, self.wte.weight, self.logits_weight)
+        columns in float32. None when the output layer is not a plain matrix (CPU weights). ``fused``: a decode
+        step's fused ops (`common.logits_gemm`)."""
+        return None if self.lm_head is not None else logits_gemm(hidden, self.wte.weight, self.logits_weight, fused)
 
     # Hugging Face name (after the optional "transformer." prefix) -> (our name, transpose?)
     _RENAMES = {"attn.c_attn": "c_attn", "attn.c_proj": "attn_proj", "mlp.c_fc": "c_fc",

@@ -178,14 +178,15 @@ class LlamaForCausalLM(nn.Module):
             return output_logits(hidden, self.lm_head.weight, self.logits_weight)
         return self.lm_head(hidden).float()
 
-    def logits_gemm(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+    def logits_gemm(self, hidden: torch.Tensor, fused: bool = False) -> Optional[torch.Tensor]:
         """The logits GEMM's raw output, [N, >= vocab] in the weights' dtype (the columns past the
         vocabulary are the padding's, `common.vocab_padding`): `compute_logits` is its first vocab
-        columns in float32. None when the output layer is not a plain matrix (CPU weights)."""
+        columns in float32. None when the output layer is not a plain matrix (CPU weights). ``fused``: a decode
+        step's fused ops (`common.logits_gemm`)."""
         if self.lm_head is None:
-            return logits_gemm(hidden, self.embed_tokens.weight, self.logits_weight)
+            return logits_gemm(hidden, self.embed_tokens.weight, self.logits_weight, fused)
         if type(self.lm_head) is nn.Linear and self.lm_head.bias is None:
-            return logits_gemm(hidden, self.lm_head.weight, self.logits_weight)
+            return logits_gemm(hidden, self.lm_head.weight, self.logits_weight, fused)
         return None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

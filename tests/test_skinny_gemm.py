@@ -537,10 +537,11 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
                                  context_lens=torch.full((tokens,), prior + 1, dtype=torch.int32, device=device),
                                  max_context_len=prior + 1, use_triton=True, fused_ops=True)
         with torch.inference_mode():
-            return model.compute_logits(model(ids.to(device), torch.full((tokens,), prior, device=device),
-                                              meta)).cpu().float()
+            hidden = model(ids.to(device), torch.full((tokens,), prior, device=device), meta)
+            out = model.compute_logits(hidden)  # (and the decode graph's logits GEMM: the kernel's at one row)
+            return out.cpu().float(), model.logits_gemm(hidden, True)[:, :out.shape[1]].cpu().float()
 
-    on, on_prior = logits(0), logits(2)
+    (on, on_gemm), (on_prior, _) = logits(0), logits(2)
     if kind != "gpt2":  # the Llama family at one row: q and k rotated, K and V stored, by the q/k/v GEMM (`KVOut.rope`)
         assert (not rotations) == (tokens == 1)
     assert calls or adds  # the kernel ran
@@ -556,12 +557,13 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     assert sorted(set(made)) == (["_rose_norm_fold"] if tokens > 1 else ["_rose_norm_scale"] if pair else [])
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
     calls.clear(), folds.clear(), adds.clear(), normed.clear()
-    off, off_prior = logits(0), logits(2)
+    (off, off_gemm), (off_prior, _) = logits(0), logits(2)
     assert not calls and not folds and not adds and not normed
     with torch.inference_mode():
         want = hf(ids[:, None]).logits[:, 0].float()
     assert rel_err(on, off) < 2e-3 and rel_err(on, want) < 2 * rel_err(off, want) + 1e-3
     assert same_greedy(on, off)  # (the same token, or one tied with it within rounding)
+    assert rel_err(on_gemm, on) < 2e-3 and same_greedy(on_gemm, off) and torch.equal(off_gemm, off)
     assert rel_err(on_prior, off_prior) < 2e-3 and same_greedy(on_prior, off_prior)
     assert rel_err(on_prior, on) > 1e-2  # (the cached tokens do move the output)
 

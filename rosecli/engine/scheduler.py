@@ -140,11 +140,11 @@ class Scheduler:
         return [leader] + [s.request_id for s in followers]
 
     def _set_limits(self, seq: Sequence) -> Sequence:
-        """What ends ``seq``, worked out once for the checks of every step (`_check_stop`)."""
-        p = seq.params
-        seq.length_limit = min(seq.num_prompt_tokens + p.max_new_tokens, self.max_seq_len)
-        seq.stop_ids = frozenset(p.stop_token_ids) | (self.eos_token_ids if p.stop_on_eos else frozenset())
-        seq.stop_from = seq.num_prompt_tokens + p.min_tokens  # before min_tokens no stop token ends it (as vLLM)
+        """What ends ``seq`` (`Sequence`'s limits from its own parameters) narrowed by this engine's: the model's
+        context and, with ``stop_on_eos``, its EOS ids; worked out once for the checks of every step (`_check_stop`)."""
+        seq.length_limit = min(seq.length_limit, self.max_seq_len)
+        if seq.params.stop_on_eos:
+            seq.stop_ids = seq.stop_ids | self.eos_token_ids
         return seq
 
     def has_unfinished(self) -> bool:

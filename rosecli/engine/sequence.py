@@ -52,8 +52,9 @@ class Sequence:
         self.finish_reason: Optional[FinishReason] = None
         self.arrival_index = arrival_index
         self.admitted_at: Optional[float] = None
-        # when it ends, set by the scheduler that owns it (`Scheduler._set_limits`): at ``length_limit``
-        # tokens (max_new_tokens or the context), or on a token of ``stop_ids`` once it has ``stop_from``
+        # when it ends, from its parameters (the scheduler that owns it adds the context and EOS:
+        # `Scheduler._set_limits`): at ``length_limit`` tokens, or on a token of ``stop_ids`` once it has
+        # ``stop_from`` (before min_tokens no stop token ends it, as in vLLM)
         self.length_limit = self.num_prompt_tokens + params.max_new_tokens
         self.stop_ids: frozenset[int] = frozenset(params.stop_token_ids)
         self.stop_from = self.num_prompt_tokens + params.min_tokens

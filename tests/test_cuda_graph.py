@@ -1,5 +1,7 @@
 """CUDA-graph decode: same tokens as eager, no per-step allocation (GPU only)."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -146,6 +148,13 @@ def test_no_kernel_variant_is_compiled_after_start_up(monkeypatch, cache_dir, mo
         engine.generate([[200 + i, 7] for i in range(64)], greedy)
         engine.generate([[300 + i, 7] for i in range(64)], sampled)
         engine.generate([list(range(1000, 1100))], greedy)
+        if importlib.util.find_spec("xgrammar") is not None:  # grammar rows, greedy (a masked argmax) and sampled
+            from rosecli.engine.structured import GrammarSpec
+
+            spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+            engine.generate([[400 + i, 7] for i in range(2)], [
+                SamplingParams(max_new_tokens=6, structured=spec),
+                SamplingParams(max_new_tokens=6, structured=spec, temperature=0.7, seed=1)])
     finally:
         engine.close()
     assert not met, f"kernel variants met after start-up: {met}"

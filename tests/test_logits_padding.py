@@ -319,6 +319,66 @@ def test_structured_output_on_a_padded_model(monkeypatch, tiny_engine_factory):
         assert 0 <= json.loads(out.text)["n"] <= 99
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_masked_argmax_of_the_raw_gemm_output_is_that_of_its_float32_logits(dtype):
+    """What a greedy grammar row's masked argmax reads in a decode graph (the logits GEMM's output: half precision,
+    padded columns, coarse values with ties) gives the ids the float32 logits the step would write give; a padding
+    column, however large, is never the answer."""
+    from rosecli.kernels.argmax import masked_argmax
+
+    g = torch.Generator().manual_seed(11)
+    V = 4099
+    raw = (torch.randn(5, V + 61, generator=g) * 3).to(dtype)
+    raw[:, V:] = 1e4
+    raw[1, [30, 4000]] = raw[1].max() + 1  # a tie far apart
+    bits = torch.randint(-2**31, 2**31 - 1, (5, (V + 31) // 32), dtype=torch.int32, generator=g)
+    bits[1, 0] |= 1 << 30
+    bits[1, 4000 // 32] |= 1 << (4000 % 32)
+    logits, _ = logits_argmax_ref(raw, V)
+    got = masked_argmax(raw, bits, V)
+    assert got.tolist() == masked_argmax(logits, bits).tolist() and got[1] == 30 and max(got.tolist()) < V
+
+
+def test_greedy_grammar_rows_read_the_raw_gemm_output_and_no_float32_logits_are_written(monkeypatch,
+                                                                                        tiny_engine_factory):
+    """Where the decode step keeps the logits GEMM's raw output (the decode graphs: `_raw_for_grammar`), greedy rows
+    under a grammar take their masked argmax from it, and the step does not write its float32 logits for them
+    (`_logits_wanted`). Every token is the plain path's (float32 logits, always written), for the grammar rows and
+    a free greedy row beside them, and every step of the run skipped the write. (The graphs' forward, run eagerly
+    on the CPU; an argmax left on the float32 buffer would read logits no step wrote.)"""
+    pytest.importorskip("xgrammar")
+    from rosecli.engine.structured import GrammarSpec
+
+    monkeypatch.setenv("ROSE_VOCAB_PAD", "1000")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    prompts = ["free", "Hi", "Hello there", "Go"]
+    params = [SamplingParams(max_new_tokens=12, stop_on_eos=False)] + [
+        SamplingParams(max_new_tokens=40, temperature=0.0, structured=spec)] * 3
+
+    def run(raw_path):
+        engine = tiny_engine_factory(cpu_weights="float", max_batch_size=4)
+        runner = engine.runner
+        stored = []
+        if raw_path:
+            runner.use_graphs = runner._raw_for_grammar = True
+            wanted = runner._logits_wanted
+
+            def record():
+                wanted()
+                stored.append(runner._storing_logits)
+
+            monkeypatch.setattr(runner, "_logits_wanted", record)
+        return engine.generate(prompts, params), stored
+
+    (plain, _), (raw, stored) = run(False), run(True)
+    assert [o.token_ids for o in raw] == [o.token_ids for o in plain]
+    for o in raw[1:]:
+        assert set(json.loads(o.text)) == {"n", "ok"}
+    assert len(stored) > 10 and not any(stored)
+
+
 # --- on the GPU ---------------------------------------------------------------------------------------
 
 

@@ -176,6 +176,7 @@ def test_gpu_graphs_and_overlap_with_grammar_rows(tiny_engine_factory, monkeypat
     """On CUDA: decode graphs, the sampler's captured graph and overlap scheduling, with grammar
     rows masked eagerly on the static logits buffer; free rows beside them unchanged."""
     engine = tiny_engine_factory(device="cuda", max_batch_size=16)
+    assert engine.runner._raw_for_grammar  # greedy grammar rows read the logits GEMM's output: no float32 write
     spec = GrammarSpec.json_schema(PERSON)
     free = SamplingParams(max_new_tokens=16, temperature=0.0)
     alone = engine.generate(["free"], [free])[0]

@@ -51,10 +51,14 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 class _DecodeGraph:
-    __slots__ = ("graph", "logits", "greedy")
+    """A captured decode step and its output buffers: the float32 logits (written while
+    `ModelRunner._logits_wanted` says so), the greedy ids, and the logits GEMM's raw output (padded
+    columns, the weights' dtype; None where the model has none), which a greedy grammar row reads."""
 
-    def __init__(self, graph, logits, greedy):
-        self.graph, self.logits, self.greedy = graph, logits, greedy
+    __slots__ = ("graph", "logits", "greedy", "raw")
+
+    def __init__(self, graph, logits, greedy, raw):
+        self.graph, self.logits, self.greedy, self.raw = graph, logits, greedy, raw
 
 
 class _Staging:
@@ -258,6 +262,9 @@ class ModelRunner:
         # whether a decode step writes its float32 logits (read at every replay: `_logits_wanted`)
         self._store_logits = torch.ones(1, dtype=torch.int32, device=self.device)
         self._storing_logits = True
+        # whether every decode step keeps the logits GEMM's raw output (the decode graphs, once captured):
+        # a greedy row under a grammar then reads it, and the float32 logits need not be written for it
+        self._raw_for_grammar = False
         if self.is_cuda:
             self.dev_staging = _Staging(torch.zeros(nbytes, dtype=torch.uint8, device=self.device), mb, nb)
             self._events = [torch.cuda.Event() for _ in range(2)]
@@ -301,11 +308,13 @@ class ModelRunner:
         if self.use_graphs:
             t0 = time.perf_counter()
             self._capture_graphs(progress)
+            self._raw_for_grammar = all(g.raw is not None for g in self.graphs.values())
             torch.cuda.synchronize(self.device)
             self.startup_times["graph_capture_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             self._capture_prefill_graphs(progress)
             self.startup_times["prefill_graph_capture_s"] = time.perf_counter() - t0
+        self._warmup_grammar_kernels()
         return self.startup_times
 
     def _warmup_kernels(self) -> None:
@@ -387,13 +396,24 @@ class ModelRunner:
                 for slot in slots:
                     st.release(slot)
         st.flush()
-        if st.use_triton and importlib.util.find_spec("xgrammar") is not None:
-            # greedy requests under a grammar take a masked argmax (`_masked_greedy_ids`): one variant
-            from rosecli.kernels.argmax import masked_argmax
 
-            V = st.vocab_size
-            masked_argmax(torch.randn(2, V, device=self.device),
-                          torch.full((2, (V + 31) // 32), -1, dtype=torch.int32, device=self.device))
+    def _warmup_grammar_kernels(self) -> None:
+        """Compile the kernels of requests under a grammar: the masked argmax of greedy ones (`_masked_greedy_ids`),
+        on what it will read (the decode graphs' raw logits GEMM output, or float32 logits), and the bitmask's
+        kernel on the float32 logits of sampled ones (`structured.StructuredOutput.apply_filled`)."""
+        if not (self.sampler.use_triton and importlib.util.find_spec("xgrammar") is not None):
+            return
+        from rosecli.kernels.argmax import masked_argmax
+        from rosecli.kernels.bitmask import apply_bitmask
+
+        V = self.sampler.vocab_size
+        bits = torch.full((2, (V + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        logits = torch.randn(2, V, device=self.device)
+        if self._raw_for_grammar:
+            masked_argmax(self.graphs[max(self.graphs)].raw[:2], bits, n_cols=V)
+        else:
+            masked_argmax(logits, bits)
+        apply_bitmask(logits, bits)
 
     def _capture_graphs(self, progress) -> None:
         pool = None
@@ -410,10 +430,10 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits, greedy = self._decode_forward(batch, meta)
+                    logits, greedy, raw = self._decode_forward(batch, meta)
             if pool is None:
                 pool = graph.pool()
-            self.graphs[batch] = _DecodeGraph(graph, logits, greedy)
+            self.graphs[batch] = _DecodeGraph(graph, logits, greedy, raw)
             if progress:
                 progress("capture", done + 1, len(sizes))
 
@@ -453,7 +473,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
             greedy = split_argmax(logits) if self.use_graphs else logits.argmax(dim=-1)
         d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
-        return logits, greedy
+        return logits, greedy, raw
 
     def _next_buffers(self) -> int:
         """Which staging area / sampled-id buffer this launch uses; the next launch takes the other."""
@@ -605,22 +625,24 @@ class ModelRunner:
         with stages.range("decode_forward", rows):
             if graph is not None:
                 graph.graph.replay()
-                logits, greedy = graph.logits[:batch], graph.greedy[:batch]
+                logits, greedy, raw = graph.logits[:batch], graph.greedy[:batch], graph.raw
             else:
-                logits, greedy = self._decode_forward(batch, self._meta_for(batch, max_ctx))
+                logits, greedy, raw = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
-            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows)
+            ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows,
+                                   raw=raw)
             if ids_dev is not greedy and ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
 
     def _logits_wanted(self) -> None:
         """Set the device flag that makes the decode step write its float32 logits: while any admitted request
-        samples, asked for logprobs or is greedy under a grammar (its masked argmax reads them). While every
-        one is plain greedy, the model's argmax is all a step needs, and the logits' write (4 bytes per
-        vocabulary entry and row: 13 MB for GPT-2 at 64 rows, 33 MB for Llama 3) is skipped. The flag changes
-        only when that set does, by a one-element fill on the step's stream before the step."""
-        want = bool(self._special or self._masked_greedy or self._logprob_ids)
+        samples or asked for logprobs. While every one is plain greedy, the model's argmax is all a step needs,
+        and the logits' write (4 bytes per vocabulary entry and row: 13 MB for GPT-2 at 64 rows, 33 MB for
+        Llama 3) is skipped; a greedy one under a grammar needs them only where the decode graphs keep no raw
+        logits GEMM output for its masked argmax to read (`_raw_for_grammar`). The flag changes only when that
+        set does, by a one-element fill on the step's stream before the step."""
+        want = bool(self._special or self._logprob_ids or (self._masked_greedy and not self._raw_for_grammar))
         if want != self._storing_logits:
             self._store_logits.fill_(int(want))
             self._storing_logits = want
@@ -658,14 +680,15 @@ class ModelRunner:
         return graph is not None
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                flip: int, static: bool = False, last_rows: Optional[dict] = None) -> torch.Tensor:
+                flip: int, static: bool = False, last_rows: Optional[dict] = None,
+                raw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The batch's next ids on the device (every request holds its sampling slot: the callers
         `_acquire` it before its first sampled token); while every admitted request is plain greedy, the
         model's argmax (computed inside the decode graph) is the answer and the sampler is not called.
         ``static``: ``logits`` is a decode graph's output buffer, so the sampler's kernels can be a graph
-        of their own."""
+        of their own. ``raw``: the decode step's logits GEMM output (`_DecodeGraph`), where it kept one."""
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
-        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows)
+        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw)
         if lp is not None:
             rows, ks, rows_t, lp = lp
             self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
@@ -686,13 +709,14 @@ class ModelRunner:
         return rows, ks, rows_t, row_logprobs(logits.index_select(0, rows_t))
 
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
-                    flip: int, static: bool, last_rows: Optional[dict] = None) -> torch.Tensor:
+                    flip: int, static: bool, last_rows: Optional[dict] = None,
+                    raw: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self._special:
             # greedy rows under a grammar: their masked logits' argmax; the other rows' masks are
             # all ones, so their argmax is the model's (no sampler kernels for anyone)
             if self._masked_greedy and self.structured.fill(
                     seqs, self._pending_reader(last_rows, flip ^ 1), PENDING) is not None:
-                return self._masked_greedy_ids(logits, static, flip)
+                return self._masked_greedy_ids(logits, static, flip, raw if self._raw_for_grammar else None)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
         st = self.sampler
@@ -717,22 +741,26 @@ class ModelRunner:
             self._sampler_graphs[key] = self._capture_sampler(logits, d)
         return ids
 
-    def _masked_greedy_ids(self, logits: torch.Tensor, static: bool, flip: int) -> torch.Tensor:
+    def _masked_greedy_ids(self, logits: torch.Tensor, static: bool, flip: int,
+                           raw: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The argmax of ``logits`` under the bitmask the structured output's last fill wrote. On
-        CUDA one masked argmax (`kernels.argmax.masked_argmax`: the logits are not rewritten);
+        CUDA one masked argmax (`kernels.argmax.masked_argmax`: the logits are not rewritten), which reads
+        ``raw`` (the logits GEMM's output: the same values in the weights' dtype) where given;
         from a decode graph's logits, the bitmask's copy to the device, the argmax and the ids' copy
         back to the host (``flip``'s buffer, for `_fetch`) are a graph of their own (one launch: the
         host's time per step is what a grammar step costs), which writes the ids straight into the
         token pool the next decode step reads."""
         so = self.structured
         B = logits.shape[0]
+        n_cols = None if raw is None else self.sampler.vocab_size
         if not (self.is_cuda and self.use_triton):
-            so.apply_filled(logits)
-            return logits.argmax(dim=-1)
+            x = logits if raw is None else raw[:B, :n_cols].float()
+            so.apply_filled(x)
+            return x.argmax(dim=-1)
         from rosecli.kernels.argmax import masked_argmax
 
         if not (static and self.use_graphs):
-            return masked_argmax(logits, so.stage_bitmask(B))
+            return masked_argmax(logits if raw is None else raw[:B], so.stage_bitmask(B), n_cols)
         # the bitmask's copy: on a side stream beside the forward (~16 us of the device's time for 64
         # rows of GPT-2's vocabulary) when the driver's API makes it cheap for the host, else inside the graph
         aside = so.aside_is_cheap if MASK_COPY_ASIDE is None else MASK_COPY_ASIDE
@@ -746,13 +774,13 @@ class ModelRunner:
             self._ids_on_host = True
             return ids
         rows = self.padded_batch(B)  # the graph's whole logits buffer: one capture per graph size
-        full = self.graphs[rows].logits
+        full = self.graphs[rows].logits if raw is None else self.graphs[rows].raw
         out = self.dev_staging.tokens[:rows]
         bits = so.stage_bitmask(rows, aside=aside)
-        masked_argmax(full, bits, out=out)  # this step's answer; loads the kernels
+        masked_argmax(full, bits, n_cols, out=out)  # this step's answer; loads the kernels
         if len(self._masked_replays) < MAX_SAMPLER_GRAPHS:
             def step() -> torch.Tensor:
-                masked_argmax(full, bits if aside else so.stage_bitmask(rows), out=out)
+                masked_argmax(full, bits if aside else so.stage_bitmask(rows), n_cols, out=out)
                 return self.h_sampled[flip][:rows].copy_(out, non_blocking=True)  # (`_fetch` need not)
 
             g = self._capture(step)

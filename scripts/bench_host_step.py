@@ -54,7 +54,7 @@ def main():
         count[0] += 1
         greedy = table[count[0] % table.shape[0], :batch]
         runner.dev_staging.tokens[:batch].copy_(greedy)
-        return logits[:batch], greedy
+        return logits[:batch], greedy, None
 
     runner._decode_forward = forward
     rnd = random.Random(0)

@@ -120,6 +120,25 @@ def test_tool_choice_required(client, stream):
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_tool_choice_required_with_refs_in_the_parameters(client):
+    """A tool whose parameters use ``$defs`` / ``$ref`` (what pydantic writes for nested models): its references
+    still resolve once its schema sits inside the list of calls, so the call is made and its arguments validate
+    (it was a 400, "Cannot find field $defs")."""
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"],
+            "additionalProperties": False}
+    params = {"$defs": {"City": city}, "type": "object", "properties": {"to": {"$ref": "#/$defs/City"},
+                                                                          "back": {"$ref": "#/$defs/City"}},
+              "required": ["to", "back"], "additionalProperties": False}
+    book = {"type": "function", "function": {"name": "book", "parameters": params}}
+    for seed in range(2):
+        msg = client.chat.completions.create(model=MODEL, messages=MSG, tools=[book, TIME], tool_choice="required",
+                                             seed=seed, **COMMON).choices[0]
+        assert msg.finish_reason == "tool_calls"
+        for call in msg.message.tool_calls:
+            schema = params if call.function.name == "book" else TIME["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_tool_choice_named_function(client, stream):
     kw = dict(model=MODEL, messages=MSG, tools=[WEATHER, TIME], seed=11,
@@ -153,6 +172,7 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                               "if": {}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters", "'if'"),
+    ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "guided_json", "'oneOf'"),
 ]
 
 

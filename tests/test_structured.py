@@ -128,6 +128,79 @@ def test_bad_grammars_fail_alone_naming_the_field(engine):
     assert re.fullmatch("[ab]{4}", out.text)
 
 
+INT, BOOL = {"type": "integer"}, {"type": "boolean"}
+REFUSED = [  # what the grammar would drop or get wrong (sampled and validated when this was written): a 400
+    ({"type": "number", "multipleOf": 0.5}, "'multipleOf'", "#"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]*$", "minLength": 4}}},
+     "beside 'pattern'", "#/properties/a"),
+    ({"allOf": [{"type": "object", "properties": {"a": INT}, "required": ["a"]},
+                {"type": "object", "properties": {"b": INT}, "required": ["b"]}]}, "'allOf' of more than one", "#"),
+    ({"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}], "properties": {"a": INT, "b": INT}},
+     "'anyOf' beside 'type', 'properties'", "#"),
+    ({"oneOf": [INT, {"type": "number", "minimum": 0}]}, "alternatives 0 and 1 may both match", "#"),
+    ({"type": "array", "items": {"oneOf": [{"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                                           {"type": "object", "properties": {"k": {"enum": ["b", "a"]}},
+                                            "required": ["k"]}]}}, "'oneOf'", "#/items"),
+    ({"type": "object", "patternProperties": {"^[a-e]$": BOOL}, "additionalProperties": False, "minProperties": 3},
+     "'minProperties'", "#"),
+    ({"type": "object", "properties": {"a": INT}, "required": ["a", "b"], "additionalProperties": False},
+     "required property 'b'", "#"),
+    ({"type": "string", "enum": [1, 2]}, "no value of the 'enum'", "#"),
+]
+
+
+@pytest.mark.parametrize("schema,words,where", REFUSED, ids=[r[1] for r in REFUSED])
+def test_schemas_the_grammar_cannot_enforce_are_refused_naming_where(schema, words, where):
+    with pytest.raises(RequestError, match=re.escape(words)) as e:
+        GrammarSpec.json_schema(schema, "guided_json")
+    assert f"(at {where})" in str(e.value) and e.value.param == "guided_json"
+
+
+REWRITTEN = [  # (schema, the draft its validator reads): every output validates against the schema as given
+    ({"type": "object", "properties": {"a": BOOL}, "required": ["a", "b"], "additionalProperties": BOOL,
+      "maxProperties": 2}, jsonschema.Draft202012Validator),
+    ({"type": "array", "items": {"type": ["integer", "null"], "enum": [3, "x", None, 4.0, True]}, "minItems": 3,
+      "maxItems": 5}, jsonschema.Draft202012Validator),
+    ({"type": "array", "items": [BOOL, {"type": "null"}], "additionalItems": False, "minItems": 2},
+     jsonschema.Draft7Validator),
+    ({"$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": INT},
+                        "required": ["kind", "lives"], "additionalProperties": False},
+                "Dog": {"type": "object", "properties": {"kind": {"const": "dog"}, "good": BOOL},
+                        "required": ["kind", "good"], "additionalProperties": False}},
+      "type": "array", "items": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                                 "discriminator": {"propertyName": "kind"}}, "minItems": 2, "maxItems": 4},
+     jsonschema.Draft202012Validator),
+    ({"oneOf": [{"type": "object", "properties": {"a": BOOL}, "required": ["a"], "additionalProperties": False},
+                {"type": "object", "properties": {"b": BOOL}, "required": ["b"], "additionalProperties": False}]},
+     jsonschema.Draft202012Validator),
+]
+
+
+@pytest.mark.parametrize("schema,validator", REWRITTEN, ids=["required-not-in-properties", "enum-of-other-types",
+                                                              "items-as-a-list", "discriminated-oneOf",
+                                                              "oneOf-exclusive-keys"])
+def test_schemas_rewritten_or_kept_validate_as_given(engine, schema, validator):
+    """A required property missing from ``properties``, ``enum`` values of other types and a draft-7 ``items`` list are
+    rewritten (the grammar would otherwise drop or break them); exclusive ``oneOf`` alternatives are kept. Random
+    weights: every output validates against the schema as the user gave it."""
+    spec = GrammarSpec.json_schema(schema, "guided_json")
+    outs = engine.generate(["Go:"] * 6, [sampled(seed, spec, 200) for seed in range(6)])
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        validator(schema).validate(json.loads(o.text))
+
+
+def test_embedded_schemas_keep_their_references():
+    from rosecli.engine.json_schema import embed
+
+    ref, defs = embed({"$defs": {"A": INT}, "properties": {"x": {"$ref": "#/$defs/A"}, "me": {"$ref": "#"},
+                                                           "ext": {"$ref": "other.json#/x"}}}, "tool3")
+    assert ref == {"$ref": "#/$defs/tool3"}
+    props = defs["tool3"]["properties"]
+    assert props["x"] == {"$ref": "#/$defs/tool3/$defs/A"} and props["me"] == {"$ref": "#/$defs/tool3"}
+    assert props["ext"] == {"$ref": "other.json#/x"}
+
+
 def test_compiled_grammars_are_cached(engine):
     spec = GrammarSpec.json_schema(PERSON)
     assert engine.structured.compile(spec) is engine.structured.compile(GrammarSpec.json_schema(dict(PERSON)))

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from rosecli.engine import aside_copy
+from rosecli.engine import aside_copy, json_schema
 from rosecli.engine.errors import RequestError
 
 INSTALL_HINT = "structured output needs the xgrammar library: install rosecli[structured] (pip install xgrammar)"
@@ -44,14 +44,6 @@ MAX_CACHED = 256  # compiled grammars kept (least recently used dropped)
 THREADED_ABOVE_S = 300e-6  # a batch fill that took longer on one thread: the next one runs on several
 SERIAL_BELOW_S = 100e-6  # one that took less on several threads: the next one runs on one
 PROBE_MAX = 64  # while threaded, at most this many steps between fills run on one thread again (to see)
-
-# JSON Schema keywords the grammar cannot enforce: a schema using one is refused, not half-obeyed
-_UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-                         "contains", "minContains", "maxContains")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
-               "unevaluatedItems")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
 def available() -> bool:
@@ -85,7 +77,7 @@ class GrammarSpec:
                 raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
-        check_schema_keywords(schema, param)
+        schema = json_schema.normalize(schema, param)  # (what the grammar cannot enforce is refused here)
         # property order kept: the output follows it
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), param)
 
@@ -94,31 +86,6 @@ class GrammarSpec:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise RequestError(f"{param} must be a non-empty list of non-empty strings", param)
         return cls("choice", json.dumps(choices), param)
-
-
-def check_schema_keywords(schema, param: str, where: str = "#") -> None:
-    """Refuse a keyword the grammar cannot enforce (naming it and where it is)."""
-    if not isinstance(schema, dict):
-        return
-    for key in _UNSUPPORTED_KEYWORDS:
-        if key in schema:
-            raise RequestError(f"{param}: the JSON schema keyword {key!r} (at {where}) is not supported by "
-                               "structured output: the output could not be guaranteed to satisfy it", param)
-    if schema.get("uniqueItems") is True:
-        raise RequestError(f"{param}: the JSON schema keyword 'uniqueItems' (at {where}) is not supported by "
-                           "structured output", param)
-    for key in _SCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, s in sub.items():
-                check_schema_keywords(s, param, f"{where}/{key}/{name}")
-    for key in _SCHEMA_ONE:
-        check_schema_keywords(schema.get(key), param, f"{where}/{key}")
-    for key in _SCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, s in enumerate(sub):
-                check_schema_keywords(s, param, f"{where}/{key}/{i}")
 
 
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")

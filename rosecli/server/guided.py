@@ -17,6 +17,7 @@ import json
 import uuid
 from typing import Any, Optional
 
+from rosecli.engine import json_schema
 from rosecli.engine.errors import RequestError
 from rosecli.engine.structured import GrammarSpec
 from rosecli.server.protocol import ChatCompletionRequest, SamplingRequest, bad_request, unsupported
@@ -150,14 +151,17 @@ def _tool_spec(req: ChatCompletionRequest) -> Optional[tuple[GrammarSpec, ToolMo
         if not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                               f"tools[{i}].function.parameters")
-        _spec("json", params, f"tools[{i}].function.parameters")  # its keywords, checked where it is named
-        schemas[fn["name"]] = params
+        # its keywords checked (and rewritten) where it is named
+        schemas[fn["name"]] = json.loads(_spec("json", params, f"tools[{i}].function.parameters").value)
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for name, schema in schemas.items()]
+        calls, defs = [], {}
+        for i, (name, schema) in enumerate(schemas.items()):
+            ref, own = json_schema.embed(schema, f"tool{i}")  # (its own $refs kept pointing inside it)
+            defs.update(own)
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": ref},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
-                                 "minItems": 1}
+                                 "minItems": 1, "$defs": defs}
         if req.parallel_tool_calls is False:
             array["maxItems"] = 1
         return _spec("json", array, "tools"), ToolMode(None)

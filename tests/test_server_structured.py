@@ -19,6 +19,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from test_server import MODEL, server_fixtures  # noqa: E402
 
+from rosecli.server import guided  # noqa: E402
+
 MSG = [{"role": "user", "content": "Give me a city."}]
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                          "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
@@ -185,6 +187,110 @@ def test_bad_structured_requests_are_400s_naming_the_field(live, http, body, par
     assert live.manager.is_alive
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_regex": "[0-9]{3}"})
     assert ok.status_code == 200 and re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["text"])
+
+
+# --- tool_choice "auto": the model's own format parsed --------------------------------------------------------
+
+HERMES_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("template,fmt", [
+    ("{% if tools %}...<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+     "{% endif %}", guided.HERMES),
+    ("{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
+     "value}.' }}", guided.LLAMA3_JSON),
+    ("{{- '<|python_tag|>' + tool_call.name }}", guided.LLAMA3_JSON),
+    ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", None),
+    (None, None),
+])
+def test_the_tool_format_is_read_off_the_chat_template(template, fmt):
+    assert guided.tool_format(template) == fmt
+
+
+AUTO_SPLITS = [  # (format, output, content, [(name, arguments)] or None: no call)
+    (guided.HERMES, HERMES_CALL, None, [("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    (guided.HERMES, "Let me look. " + HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Rome"), "Let me look.",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_weather", {"city": "Rome", "unit": "celsius"})]),
+    (guided.HERMES, '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}', None,
+     [("get_time", {"zone": "UTC"})]),  # arguments as a JSON string, the closing tag cut off at EOS
+    (guided.HERMES, HERMES_CALL + " and then some words", HERMES_CALL + " and then some words", None),
+    (guided.HERMES, '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', None, None),  # not a given function
+    (guided.HERMES, "<tool_call>{broken</tool_call>", None, None),
+    (guided.HERMES, "It is sunny.", "It is sunny.", None),
+    (guided.LLAMA3_JSON, ' {"name": "get_time", "parameters": {"zone": "CET"}}', None, [("get_time", {"zone": "CET"})]),
+    (guided.LLAMA3_JSON, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", '
+     '"parameters": {"city": "Oslo", "unit": "celsius"}}', None,
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    (guided.LLAMA3_JSON, '{"name": "get_time"}', None, None),  # no arguments
+    (guided.LLAMA3_JSON, 'Sure: {"name": "get_time", "parameters": {}}', None, None),  # text first: content
+]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", AUTO_SPLITS)
+def test_auto_tool_calls_are_parsed_in_the_models_format(fmt, text, content, calls):
+    tools = guided.AutoTools(fmt, {"get_weather", "get_time"})
+    got_content, got = tools.split(text)
+    if calls is None:
+        assert got is None and got_content == text
+        return
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in got)
+
+
+def test_auto_streams_content_up_to_where_a_call_could_start():
+    h = guided.AutoTools(guided.HERMES, {"f"})
+    assert h.streamable("Let me look. <tool") == len("Let me look.")
+    assert h.streamable("Let me look. <tool_call>{") == len("Let me look.")
+    assert h.streamable("a < b") == len("a < b") and h.streamable("a <") == len("a") and h.streamable("a  ") == 1
+    j = guided.AutoTools(guided.LLAMA3_JSON, {"f"})
+    assert j.streamable("  ") == 0 and j.streamable(' {"name"') == 0 and j.streamable("Hi {") == 4
+
+
+@pytest.fixture
+def auto_format(live):
+    """The live server as if its model's template had ``fmt``'s tool format (the tiny model's has none)."""
+    server = live.app.state.rose
+    saved = server.tool_format
+
+    def use(fmt):
+        server.tool_format = fmt
+
+    yield use
+    server.tool_format = saved
+
+
+def _forced(regex: str, stream: bool, client, **kw):
+    """A chat completion under tool_choice "auto" whose output a guided_regex forces (random weights)."""
+    kw = dict(model=MODEL, messages=MSG, tools=[WEATHER, TIME], seed=1, temperature=1.0, max_tokens=120,
+              extra_body={"guided_regex": regex}, **kw)
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0]
+    with client.chat.completions.stream(**kw) as s:
+        deltas = [e.delta for e in s if e.type == "content.delta"]
+        choice = s.get_final_completion().choices[0]
+    assert "".join(deltas) == (choice.message.content or "")  # content streamed as it came, nothing twice
+    return choice
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_tool_choice_auto_returns_the_models_calls(client, auto_format, stream):
+    """Content before the call and the call itself (Hermes), a bare JSON call (Llama 3), and plain text (no call):
+    the openai client gets ``tool_calls`` with ``finish_reason`` "tool_calls", or content with "stop"."""
+    auto_format(guided.HERMES)
+    msg = _forced(re.escape("Let me check. " + HERMES_CALL), stream, client)
+    assert msg.finish_reason == "tool_calls" and msg.message.content == "Let me check."
+    (call,) = msg.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris",
+                                                                                          "unit": "celsius"}
+    msg = _forced("It is (sunny|raining)\\.", stream, client)
+    assert msg.finish_reason == "stop" and not msg.message.tool_calls and msg.message.content in ("It is sunny.",
+                                                                                                 "It is raining.")
+    auto_format(guided.LLAMA3_JSON)
+    msg = _forced(re.escape('{"name": "get_time", "parameters": {"zone": "UTC"}}'), stream, client)
+    assert msg.finish_reason == "tool_calls" and not msg.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})]
 
 
 def test_tools_are_a_chat_feature(http):

@@ -362,6 +362,8 @@ class _Server:
         self.max_model_len = engine.max_model_len
         self.inputs = engine.inputs
         self.max_prompt_chars = self.inputs.max_prompt_chars
+        # the model's tool-call format, for tool_choice "auto" (None: none this server parses)
+        self.tool_format = guided.tool_format(getattr(self.inputs.tokenizer, "chat_template", None))
         self.created = p.now()
         self.metrics = ServerMetrics(manager)
         self.user_on_engine_dead = on_engine_dead
@@ -522,7 +524,7 @@ class _Server:
         self.check_alive()
         prompt_param = "messages" if chat else "prompt"
         self.check_prompt_chars(req, prompt_param)
-        spec, tools = guided.grammar_spec(req)
+        spec, tools = guided.grammar_spec(req, self.tool_format)
         if chat:
             ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -544,6 +546,8 @@ class _Server:
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
+                      else self._stream_auto(out, q, req.include_usage, arrival, tools)
+                      if isinstance(tools, guided.AutoTools)
                       else self._stream_tools(out, q, req.include_usage, arrival, tools))
             return StreamingResponse(stream,
                                      media_type="text/event-stream",
@@ -683,6 +687,60 @@ class _Server:
             self._finish_choices(out, arrival)  # the client went away: free the request now
             self.active -= 1
 
+    async def _stream_auto(self, out: "_Choices", q: asyncio.Queue, include_usage: bool, arrival: float,
+                           tools: guided.AutoTools) -> AsyncIterator[str]:
+        """A chat stream under ``tool_choice: "auto"``: content streams as it comes, up to where a tool call (in the
+        model's format) starts or could start; the rest is held, and at the end sent as tool calls if it parses as
+        them, else as content."""
+        env = out.env
+        text, sent = "", 0
+        try:
+            yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
+            last = None
+            while last is not END:
+                _, piece = await q.get()
+                while True:
+                    if piece is END or piece is _SHUTDOWN:
+                        last = piece
+                        break
+                    text += piece
+                    if q.empty():
+                        break
+                    _, piece = q.get_nowait()
+                upto = tools.streamable(text)
+                if upto > sent:
+                    yield env.text_event(text[sent:upto], include_usage)
+                    sent = upto
+                if last is _SHUTDOWN:
+                    self._finish_choices(out, arrival)
+                    yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
+                    return
+            out.ended[0] = True
+            try:
+                o = out.outputs[0] = self.output(out.rids[0])
+            except RoseError as e:
+                self.metrics.finished("error", arrival)
+                yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
+                return
+            self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
+            finish = p.finish_reason(o.finish_reason)
+            _, calls = tools.split(o.text)
+            tail = []
+            if calls:
+                tail.append(_sse(env.tool_chunk([{"index": i, **c} for i, c in enumerate(calls)], include_usage)))
+                if finish == "stop":
+                    finish = "tool_calls"
+            elif len(o.text) > sent:  # no call after all: the rest is content
+                tail.append(env.text_event(o.text[sent:], include_usage))
+            tail.append(_sse(env.chunk(text=None, finish=finish, include_usage=include_usage)))
+            if include_usage:
+                tail.append(_sse(env.usage_chunk(out.usage())))
+            tail.append(_sse("[DONE]"))
+            yield "".join(tail)
+        finally:
+            self._finish_choices(out, arrival)  # the client went away: free the request now
+            self.active -= 1
+
     async def _complete(self, request: Request, out: "_Choices", q: asyncio.Queue, arrival: float,
                         headers: dict, tools: Optional[guided.ToolMode] = None) -> Response:
         def gone() -> None:
@@ -711,10 +769,12 @@ class _Server:
             if tools is not None:  # one choice (n > 1 is refused with tools): its text is the calls
                 o = out.outputs[0]
                 reason = p.finish_reason(o.finish_reason)
-                calls = tools.calls(o.text)
+                content, calls = (tools.split(o.text) if isinstance(tools, guided.AutoTools)
+                                  else (None, tools.calls(o.text)))
                 if calls and reason == "stop":
                     reason = "tool_calls"
-                return JSONResponse(out.env.response([(o.text, reason, None)], out.usage(), calls), headers=headers)
+                return JSONResponse(out.env.response([(o.text, reason, None)], out.usage(), calls, content),
+                                    headers=headers)
             return JSONResponse(out.response(), headers=headers)
         finally:
             watcher.cancel()

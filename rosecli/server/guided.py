@@ -7,15 +7,18 @@ Tool calls (chat only): ``tool_choice`` naming a function constrains the output 
 arguments (a JSON object valid against its ``parameters`` schema), returned as one call;
 ``"required"`` constrains it to a JSON array of one or more ``{"name": ..., "parameters": {...}}``
 calls of the given functions (at most one with ``parallel_tool_calls: false``). ``"auto"`` (the
-default when tools are given) needs a parser for the model's own tool-call format, which this
-server does not have: it is a 400 that says what to send instead.
+default when tools are given) leaves the output free and parses it in the model's own tool-call format, read off its
+chat template (`tool_format`): Hermes / Qwen's ``<tool_call>{...}</tool_call>`` blocks, or Llama 3's bare JSON
+``{"name": ..., "parameters": ...}`` (`AutoTools`); a model whose template has neither gets a 400 that says what to
+send instead.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from rosecli.engine import json_schema
 from rosecli.engine.errors import RequestError
@@ -47,6 +50,111 @@ class ToolMode:
         if not isinstance(items, list) or not all(isinstance(c, dict) and "name" in c for c in items):
             return None
         return [tool_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
+
+
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def tool_format(chat_template: Optional[str]) -> Optional[str]:
+    """The tool-call format a chat template asks its model for: `HERMES` (Qwen 2.5/3, Hermes: the template shows
+    ``<tool_call>`` blocks), `LLAMA3_JSON` (Llama 3.1-3.3: a bare JSON object with "name" and "parameters"), or
+    None (no tool format this server can parse)."""
+    if not isinstance(chat_template, str):
+        return None
+    if _HERMES_OPEN in chat_template:
+        return HERMES
+    if _PYTHON_TAG in chat_template or '"parameters": dictionary of argument name' in chat_template:
+        return LLAMA3_JSON
+    return None
+
+
+class AutoTools:
+    """``tool_choice: "auto"``: the output is free; what of it is tool calls in the model's format (``fmt``, one of
+    `tool_format`'s) is returned as calls of the request's functions (``names``), the rest as content."""
+
+    __slots__ = ("fmt", "names")
+
+    def __init__(self, fmt: str, names: set):
+        self.fmt, self.names = fmt, names
+
+    def split(self, text: str) -> tuple[Optional[str], Optional[list[dict]]]:
+        """(content, calls) of a finished output: calls None (and the whole text the content) unless every call in
+        it parses and names one of the functions; content None when the calls are all there is."""
+        start = self._start(text)
+        if start is None:
+            return text, None
+        found = self._parse(text[start:])
+        if not found or any(name not in self.names for name, _ in found):
+            return text, None
+        content = text[:start].rstrip() or None
+        return content, [tool_call(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
+
+    def streamable(self, text: str) -> int:
+        """How much of ``text`` (an output so far) is content for sure, and can be streamed: up to where a call
+        starts, or could start (a `HERMES` text ending in a prefix of ``<tool_call>``; a `LLAMA3_JSON` text that
+        is blank so far or opens with ``{``), less trailing blanks (`split` drops those before a call)."""
+        upto = self._start(text)
+        if upto is None:
+            upto = len(text)
+            for k in range(min(len(_HERMES_OPEN) - 1, len(text)) if self.fmt == HERMES else 0, 0, -1):
+                if _HERMES_OPEN.startswith(text[-k:]):
+                    upto -= k
+                    break
+        return len(text[:upto].rstrip())
+
+    def _start(self, text: str) -> Optional[int]:
+        if self.fmt == HERMES:
+            i = text.find(_HERMES_OPEN)
+            return i if i >= 0 else None
+        body = text.lstrip()
+        call = body[len(_PYTHON_TAG):].lstrip() if body.startswith(_PYTHON_TAG) else body
+        return len(text) - len(body) if call.startswith("{") else None
+
+    def _parse(self, text: str) -> Optional[list[tuple[str, dict]]]:
+        if self.fmt == HERMES:
+            blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)
+            rest = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S)
+            if rest.strip():  # text after the calls: not a tool-call message
+                return None
+        else:
+            body = text.lstrip()
+            body = body[len(_PYTHON_TAG):] if body.startswith(_PYTHON_TAG) else body
+            blocks = _json_objects(body)
+            if blocks is None:
+                return None
+        out = []
+        for block in blocks:
+            try:
+                obj = json.loads(block) if isinstance(block, str) else block
+            except ValueError:
+                return None
+            args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    return None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                return None
+            out.append((obj["name"], args))
+        return out
+
+
+def _json_objects(text: str) -> Optional[list[dict]]:
+    """The JSON objects ``text`` is made of, one after another (separated by blanks or ";"); None if it is not."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i == len(text):
+            return out or None
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except ValueError:
+            return None
+        out.append(obj)
 
 
 def tool_call(name: str, arguments: str) -> dict:
@@ -87,9 +195,11 @@ def _response_format(rf: dict) -> Optional[GrammarSpec]:
                       f"{json.dumps(kind)[:40]}", "response_format.type")
 
 
-def grammar_spec(req: SamplingRequest) -> tuple[Optional[GrammarSpec], Optional[ToolMode]]:
+def grammar_spec(req: SamplingRequest, fmt: Optional[str] = None
+                 ) -> tuple[Optional[GrammarSpec], Union[ToolMode, AutoTools, None]]:
     """The grammar a request's output must match (None: free), and how its output becomes tool
-    calls (None: it is the message's content). At most one of the fields may ask for a grammar."""
+    calls (None: it is the message's content). At most one of the fields may ask for a grammar.
+    ``fmt``: the model's tool-call format (`tool_format`), for ``tool_choice: "auto"``."""
     found: list[tuple[str, GrammarSpec]] = []
     if req.response_format is not None:
         spec = _response_format(req.response_format)
@@ -115,9 +225,10 @@ def grammar_spec(req: SamplingRequest) -> tuple[Optional[GrammarSpec], Optional[
         found.append(("structured_outputs", _spec(_STRUCTURED_KEYS[k], so[k], f"structured_outputs.{k}")))
     mode = None
     if isinstance(req, ChatCompletionRequest):
-        tool = _tool_spec(req)
+        tool = _tool_spec(req, fmt)
         if tool is not None:
-            found.append(("tool_choice", tool[0]))
+            if tool[0] is not None:
+                found.append(("tool_choice", tool[0]))
             mode = tool[1]
     if len(found) > 1:
         raise bad_request(f"{found[0][0]} and {found[1][0]} both constrain the output: give one of them",
@@ -125,17 +236,19 @@ def grammar_spec(req: SamplingRequest) -> tuple[Optional[GrammarSpec], Optional[
     return (found[0][1] if found else None), mode
 
 
-def _tool_spec(req: ChatCompletionRequest) -> Optional[tuple[GrammarSpec, ToolMode]]:
+def _tool_spec(req: ChatCompletionRequest, fmt: Optional[str]
+               ) -> Optional[tuple[Optional[GrammarSpec], Union[ToolMode, AutoTools]]]:
     tools, choice = req.tools or [], req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice == "none":
+    if choice == "none" or (choice == "auto" and not tools):
         return None
-    if choice == "auto":
-        raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported: this server "
-                          "has no parser for the model's own tool-call format. Send tool_choice \"required\" or "
-                          "{\"type\": \"function\", \"function\": {\"name\": ...}}: the output is then constrained "
-                          "to a valid call", "tool_choice")
+    if choice == "auto" and fmt is None:
+        raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported for this "
+                          "model: its chat template has no tool-call format this server parses (Hermes/Qwen "
+                          "<tool_call>, Llama 3 JSON). Send tool_choice \"required\" or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}: the output is then constrained to a valid call",
+                          "tool_choice")
     if not tools:
         raise bad_request("tool_choice needs tools: give the functions in tools", "tool_choice")
     schemas: dict[str, Any] = {}
@@ -153,6 +266,8 @@ def _tool_spec(req: ChatCompletionRequest) -> Optional[tuple[GrammarSpec, ToolMo
                               f"tools[{i}].function.parameters")
         # its keywords checked (and rewritten) where it is named
         schemas[fn["name"]] = json.loads(_spec("json", params, f"tools[{i}].function.parameters").value)
+    if choice == "auto":
+        return None, AutoTools(fmt, set(schemas))
     if choice == "required":
         calls, defs = [], {}
         for i, (name, schema) in enumerate(schemas.items()):

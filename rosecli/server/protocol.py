@@ -601,14 +601,14 @@ class Envelope:
 
     # non-streaming
     def response(self, choices: list[tuple[str, str, Optional[dict]]], usage_: dict,
-                 tool_calls: Optional[list[dict]] = None) -> dict:
+                 tool_calls: Optional[list[dict]] = None, content: Optional[str] = None) -> dict:
         """``choices``: (text, finish reason, logprobs or None) of each, in index order.
-        ``tool_calls``: the one choice's message is these calls (chat, tools)."""
+        ``tool_calls``: the one choice's message is these calls (chat, tools), with ``content`` beside them."""
         if self.chat:
             out = [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": lp, "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)]
             if tool_calls:
-                out[0]["message"].update(content=None, tool_calls=tool_calls)
+                out[0]["message"].update(content=content, tool_calls=tool_calls)
             return self._wrap("chat.completion", out, usage_, True)
         out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
                for i, (text, finish, lp) in enumerate(choices)]

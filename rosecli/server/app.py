@@ -546,8 +546,6 @@ class _Server:
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
-                      else self._stream_auto(out, q, req.include_usage, arrival, tools)
-                      if isinstance(tools, guided.AutoTools)
                       else self._stream_tools(out, q, req.include_usage, arrival, tools))
             return StreamingResponse(stream,
                                      media_type="text/event-stream",
@@ -629,73 +627,20 @@ class _Server:
             self.active -= 1
 
     async def _stream_tools(self, out: "_Choices", q: asyncio.Queue, include_usage: bool, arrival: float,
-                            tools: guided.ToolMode) -> AsyncIterator[str]:
-        """A chat stream whose one choice is constrained to tool calls: a named function's
-        arguments stream as deltas; calls as an array ("required") are sent whole once parsed."""
+                            tools: Union[guided.ToolMode, guided.AutoTools]) -> AsyncIterator[str]:
+        """A chat stream of one choice whose output becomes tool calls. A named function's arguments stream as
+        deltas as they come; calls as an array ("required") are sent whole once parsed; under "auto" the content
+        streams up to where a call (in the model's format) starts or could start, and the rest is sent at the end
+        as the calls if it parses as them. What is left unsent at the end (no call, or cut short) goes as text."""
         env = out.env
-        held: Optional[list[str]] = None if tools.name is not None else []
-        try:
-            yield _sse(env.chunk(text=None, role=True, include_usage=include_usage))  # a tool-call message: no content
-            if tools.name is not None:
-                yield _sse(env.tool_chunk([{"index": 0, **guided.tool_call(tools.name, "")}], include_usage))
-            last = None
-            while last is not END:
-                events = []
-                _, piece = await q.get()
-                while True:
-                    if piece is END or piece is _SHUTDOWN:
-                        last = piece
-                        break
-                    if held is None:
-                        events.append(_sse(env.tool_chunk([{"index": 0, "function": {"arguments": piece}}],
-                                                          include_usage)))
-                    else:
-                        held.append(piece)
-                    if q.empty():
-                        break
-                    _, piece = q.get_nowait()
-                if events:
-                    yield "".join(events)
-                if last is _SHUTDOWN:
-                    self._finish_choices(out, arrival)
-                    yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
-                    return
-            out.ended[0] = True
-            try:
-                o = out.outputs[0] = self.output(out.rids[0])
-            except RoseError as e:
-                self.metrics.finished("error", arrival)
-                yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
-                return
-            self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
-            finish = p.finish_reason(o.finish_reason)
-            tail = []
-            if held is not None:
-                calls = tools.calls("".join(held))
-                if calls:
-                    tail.append(_sse(env.tool_chunk([{"index": i, **c} for i, c in enumerate(calls)], include_usage)))
-                elif held:  # cut short: what was generated, as text
-                    tail.append(env.text_event("".join(held), include_usage))
-            if finish == "stop":
-                finish = "tool_calls"
-            tail.append(_sse(env.chunk(text=None, finish=finish, include_usage=include_usage)))
-            if include_usage:
-                tail.append(_sse(env.usage_chunk(out.usage())))
-            tail.append(_sse("[DONE]"))
-            yield "".join(tail)
-        finally:
-            self._finish_choices(out, arrival)  # the client went away: free the request now
-            self.active -= 1
-
-    async def _stream_auto(self, out: "_Choices", q: asyncio.Queue, include_usage: bool, arrival: float,
-                           tools: guided.AutoTools) -> AsyncIterator[str]:
-        """A chat stream under ``tool_choice: "auto"``: content streams as it comes, up to where a tool call (in the
-        model's format) starts or could start; the rest is held, and at the end sent as tool calls if it parses as
-        them, else as content."""
-        env = out.env
+        auto = isinstance(tools, guided.AutoTools)
+        named = not auto and tools.name is not None
         text, sent = "", 0
         try:
-            yield _sse(env.chunk(text="", role=True, include_usage=include_usage))
+            # (a tool-call message has no content, unless "auto" finds none)
+            yield _sse(env.chunk(text="" if auto else None, role=True, include_usage=include_usage))
+            if named:
+                yield _sse(env.tool_chunk([{"index": 0, **guided.tool_call(tools.name, "")}], include_usage))
             last = None
             while last is not END:
                 _, piece = await q.get()
@@ -707,9 +652,11 @@ class _Server:
                     if q.empty():
                         break
                     _, piece = q.get_nowait()
-                upto = tools.streamable(text)
+                upto = len(text) if named else tools.streamable(text) if auto else 0
                 if upto > sent:
-                    yield env.text_event(text[sent:upto], include_usage)
+                    new = text[sent:upto]
+                    yield (_sse(env.tool_chunk([{"index": 0, "function": {"arguments": new}}], include_usage))
+                           if named else env.text_event(new, include_usage))
                     sent = upto
                 if last is _SHUTDOWN:
                     self._finish_choices(out, arrival)
@@ -724,14 +671,14 @@ class _Server:
                 return
             self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)
             finish = p.finish_reason(o.finish_reason)
-            _, calls = tools.split(o.text)
+            calls = None if named else tools.split(o.text)[1] if auto else tools.calls(o.text)
             tail = []
             if calls:
                 tail.append(_sse(env.tool_chunk([{"index": i, **c} for i, c in enumerate(calls)], include_usage)))
-                if finish == "stop":
-                    finish = "tool_calls"
-            elif len(o.text) > sent:  # no call after all: the rest is content
+            elif not named and len(o.text) > sent:
                 tail.append(env.text_event(o.text[sent:], include_usage))
+            if finish == "stop" and (calls or not auto):
+                finish = "tool_calls"
             tail.append(_sse(env.chunk(text=None, finish=finish, include_usage=include_usage)))
             if include_usage:
                 tail.append(_sse(env.usage_chunk(out.usage())))
@@ -742,7 +689,7 @@ class _Server:
             self.active -= 1
 
     async def _complete(self, request: Request, out: "_Choices", q: asyncio.Queue, arrival: float,
-                        headers: dict, tools: Optional[guided.ToolMode] = None) -> Response:
+                        headers: dict, tools: Union[guided.ToolMode, guided.AutoTools, None] = None) -> Response:
         def gone() -> None:
             q.put_nowait((None, _GONE))
             for rid in out.open_rids():

@@ -156,6 +156,16 @@ def test_schemas_the_grammar_cannot_enforce_are_refused_naming_where(schema, wor
     assert f"(at {where})" in str(e.value) and e.value.param == "guided_json"
 
 
+def test_a_schema_nested_past_the_limit_is_one_clear_error():
+    deep = INT
+    for _ in range(3000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(RequestError, match="nests deeper than 256 levels"):
+        GrammarSpec.json_schema(deep, "guided_json")
+    with pytest.raises(RequestError, match="nests too deeply"):  # (as text, e.g. --json-schema FILE)
+        GrammarSpec.json_schema('{"items":' * 5000 + "{}" + "}" * 5000, "--json-schema")
+
+
 REWRITTEN = [  # (schema, the draft its validator reads): every output validates against the schema as given
     ({"type": "object", "properties": {"a": BOOL}, "required": ["a", "b"], "additionalProperties": BOOL,
       "maxProperties": 2}, jsonschema.Draft202012Validator),

@@ -41,6 +41,7 @@ _MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _ONE = ("items", "additionalProperties", "additionalItems", "propertyNames", "unevaluatedProperties",
         "unevaluatedItems")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+MAX_DEPTH = 256  # levels of nested schemas (a deeper one would exhaust Python's stack here, or the compiler's)
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
                type(None): "null"}
 
@@ -77,18 +78,21 @@ class _Normalizer:
     def refuse(self, where: str, what: str) -> RequestError:
         return RequestError(f"{self.param}: {what} (at {where}) is not supported by structured output", self.param)
 
-    def walk(self, schema: Any, where: str) -> Any:
+    def walk(self, schema: Any, where: str, depth: int = 0) -> Any:
         if not isinstance(schema, dict):
             return schema
+        if depth > MAX_DEPTH:
+            raise RequestError(f"{self.param}: the JSON schema nests deeper than {MAX_DEPTH} levels (at "
+                               f"{where[:80]}...)", self.param)
         self.check(schema, where)
         out = {}
         for key, value in _tuple_items(schema).items():
             if key in _MAPS and isinstance(value, dict):
-                value = {name: self.walk(s, f"{where}/{key}/{name}") for name, s in value.items()}
+                value = {name: self.walk(s, f"{where}/{key}/{name}", depth + 1) for name, s in value.items()}
             elif key in _ONE:
-                value = self.walk(value, f"{where}/{key}")
+                value = self.walk(value, f"{where}/{key}", depth + 1)
             elif key in _LISTS and isinstance(value, list):
-                value = [self.walk(s, f"{where}/{key}/{i}") for i, s in enumerate(value)]
+                value = [self.walk(s, f"{where}/{key}/{i}", depth + 1) for i, s in enumerate(value)]
             out[key] = value
         return self.add_required(self.typed_values(out, where), where)
 

@@ -75,6 +75,8 @@ class GrammarSpec:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise RequestError(f"{param}: the JSON schema is not valid JSON: {e}", param) from None
+            except RecursionError:
+                raise RequestError(f"{param}: the JSON schema nests too deeply to be read", param) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{param}: a JSON schema must be an object, got {type(schema).__name__}", param)
         schema = json_schema.normalize(schema, param)  # (what the grammar cannot enforce is refused here)

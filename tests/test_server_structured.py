@@ -169,6 +169,7 @@ BAD = [
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "both"),
     ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos", "structured output"),
     ({"tools": [WEATHER]}, "tool_choice", "auto"),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "required"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",

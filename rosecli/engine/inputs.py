@@ -48,14 +48,16 @@ class InputProcessor:
     def has_chat_template(self) -> bool:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
-    def chat(self, messages: Union[str, list[dict]], tools: Optional[list[dict]] = None) -> list[int]:
+    def chat(self, messages: Union[str, list[dict]], tools: Optional[list[dict]] = None,
+             template_kwargs: Optional[dict] = None) -> list[int]:
         """The chat template applied to ``messages`` (a string is one user message) and ``tools``
         (OpenAI's function definitions, for a template that shows them), with the generation
-        prompt; a template that refuses the messages is a RequestError."""
+        prompt; a template that refuses the messages is a RequestError. ``template_kwargs``: more
+        variables for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen 3's ``enable_thinking``)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         try:
-            kw = {"tools": tools} if tools else {}
+            kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
         except Exception as e:
             # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose

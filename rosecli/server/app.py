@@ -414,12 +414,13 @@ class _Server:
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
         return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None,
+                     template_kwargs: Optional[dict] = None) -> list[int]:
         if not self.inputs.has_chat_template:
             raise p.bad_request(f"the model {self.model_name} has no chat template: use /v1/completions",
                                 "messages")
         try:
-            return self.inputs.chat(messages, tools=tools) if tools else self.inputs.chat(messages)
+            return self.inputs.chat(messages, tools=tools or None, template_kwargs=template_kwargs)
         except RequestError as e:
             if e.__cause__ is not None:
                 log.info("the chat template failed on a request's messages: %s: %s",
@@ -526,7 +527,8 @@ class _Server:
         self.check_prompt_chars(req, prompt_param)
         spec, tools = guided.grammar_spec(req, self.tool_format)
         if chat:
-            ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None)
+            ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None,
+                                      req.chat_template_kwargs)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:

@@ -241,16 +241,16 @@ def _tool_spec(req: ChatCompletionRequest, fmt: Optional[str]
     tools, choice = req.tools or [], req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
-    if choice == "none" or (choice == "auto" and not tools):
+    if choice == "none":
         return None
+    if not tools:
+        raise bad_request("tool_choice needs tools: give the functions in tools", "tool_choice")
     if choice == "auto" and fmt is None:
         raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported for this "
                           "model: its chat template has no tool-call format this server parses (Hermes/Qwen "
                           "<tool_call>, Llama 3 JSON). Send tool_choice \"required\" or {\"type\": \"function\", "
                           "\"function\": {\"name\": ...}}: the output is then constrained to a valid call",
                           "tool_choice")
-    if not tools:
-        raise bad_request("tool_choice needs tools: give the functions in tools", "tool_choice")
     schemas: dict[str, Any] = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None

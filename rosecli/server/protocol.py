@@ -172,7 +172,7 @@ REFUSED: dict[str, tuple] = {
     "add_generation_prompt": (_is(True), "this server always adds the template's generation prompt"),
     "continue_final_message": (_is(False), "this server always starts a new assistant message"),
     "chat_template": (_unset, "this server uses the model's own chat template"),
-    "chat_template_kwargs": (_is({}), "this server passes nothing else to the chat template"),
+    "chat_template_kwargs": (_is({}), "there is no chat template on /v1/completions"),
     "documents": (_unset, "this server passes nothing else to the chat template"),
     "mm_processor_kwargs": (_unset, "this server takes text only"),
     "prompt_embeds": (_unset, "this server takes text or token ids only"),
@@ -283,6 +283,13 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[ContentPart]]] = None
 
 
+# what the server itself gives the chat template (or its call takes): not settable through chat_template_kwargs
+TEMPLATE_OWN_ARGS = frozenset(("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                               "continue_final_message", "tokenize", "return_dict", "padding", "truncation",
+                               "max_length", "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs",
+                               "sanitize_control_tokens"))
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
@@ -291,9 +298,14 @@ class ChatCompletionRequest(SamplingRequest):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: variables for the template (enable_thinking ...)
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        for key in self.chat_template_kwargs or ():
+            if key in TEMPLATE_OWN_ARGS:
+                raise unsupported(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from the request's "
+                                  "own fields)", f"chat_template_kwargs.{key}")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
                               "top_logprobs")

@@ -248,6 +248,25 @@ def test_auto_streams_content_up_to_where_a_call_could_start():
     assert j.streamable("  ") == 0 and j.streamable(' {"name"') == 0 and j.streamable("Hi {") == 4
 
 
+def test_a_tool_round_trip_reaches_the_template_with_arguments_as_objects(http):
+    """The agent loop's next turn: the assistant's call (arguments as JSON text, as OpenAI sends them) and the tool's
+    result. Templates read ``arguments | tojson``, so the server hands them the object, as vLLM does; arguments
+    that are not a JSON object stay text. The server takes the turn."""
+    from rosecli.server.protocol import ChatCompletionRequest
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    odd = {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "not json"}}
+    body = {"model": MODEL, "max_tokens": 4, "tools": [TIME], "tool_choice": "none",
+            "messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [call, odd]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]}
+    msgs = ChatCompletionRequest.model_validate(body).template_messages()
+    assert [c["function"]["arguments"] for c in msgs[1]["tool_calls"]] == [{"zone": "UTC"}, "not json"]
+    assert msgs[2] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"zone": "UTC"}'  # (not changed)
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 @pytest.fixture
 def auto_format(live):
     """The live server as if its model's template had ``fmt``'s tool format (the tiny model's has none)."""

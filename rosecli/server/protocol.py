@@ -283,6 +283,21 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[ContentPart]]] = None
 
 
+def _arguments_as_object(call):
+    """An assistant message's tool call as chat templates read it: OpenAI sends its arguments as JSON text, and the
+    templates (Qwen's, Llama 3's: ``arguments | tojson``) want the object, as vLLM hands them. Left as it is
+    where the text is not a JSON object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if not isinstance(args, str):
+        return call
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": parsed}} if isinstance(parsed, dict) else call
+
+
 # what the server itself gives the chat template (or its call takes): not settable through chat_template_kwargs
 TEMPLATE_OWN_ARGS = frozenset(("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                                "continue_final_message", "tokenize", "return_dict", "padding", "truncation",
@@ -332,6 +347,8 @@ class ChatCompletionRequest(SamplingRequest):
                 d["content"] = "".join(texts)
             elif m.content is None:
                 d["content"] = ""
+            if isinstance(d.get("tool_calls"), list):
+                d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
             out.append(d)
         return out
 

@@ -53,7 +53,8 @@ class ToolMode:
 
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # (the closing tag may be cut off at EOS)
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -114,8 +115,8 @@ class AutoTools:
 
     def _parse(self, text: str) -> Optional[list[tuple[str, dict]]]:
         if self.fmt == HERMES:
-            blocks = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.S)
-            rest = re.sub(r"<tool_call>.*?(?:</tool_call>|$)", "", text, flags=re.S)
+            blocks = _HERMES_CALL.findall(text)
+            rest = _HERMES_CALL.sub("", text)
             if rest.strip():  # text after the calls: not a tool-call message
                 return None
         else:

@@ -300,9 +300,9 @@ def _arguments_as_object(call):
 
 # what the server itself gives the chat template (or its call takes): not settable through chat_template_kwargs
 TEMPLATE_OWN_ARGS = frozenset((
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "return_dict", "padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "sanitize_control_tokens"))
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "padding", "truncation", "max_length", "return_tensors",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"))
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -201,6 +201,8 @@ HERMES_CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pari
     ("{{- 'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its "
      "value}.' }}", guided.LLAMA3_JSON),
     ("{{- '<|python_tag|>' + tool_call.name }}", guided.LLAMA3_JSON),
+    ("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}...{{- '[TOOL_CALLS]' }}",
+     guided.MISTRAL),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", None),
     (None, None),
 ])
@@ -222,6 +224,13 @@ AUTO_SPLITS = [  # (format, output, content, [(name, arguments)] or None: no cal
     (guided.LLAMA3_JSON, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", '
      '"parameters": {"city": "Oslo", "unit": "celsius"}}', None,
      [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    (guided.MISTRAL, '[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": '
+     '{"city": "Oslo", "unit": "celsius"}}]', None,
+     [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "celsius"})]),
+    (guided.MISTRAL, '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "CET"}}]', None,
+     [("get_time", {"zone": "CET"})]),  # the tag, where the text keeps it
+    (guided.MISTRAL, '[1, 2, 3]', None, None),  # a list, not of calls
+    (guided.MISTRAL, '{"name": "get_time", "arguments": {}}', None, None),  # not in a list
     (guided.LLAMA3_JSON, '{"name": "get_time"}', None, None),  # no arguments
     (guided.LLAMA3_JSON, 'Sure: {"name": "get_time", "parameters": {}}', None, None),  # text first: content
 ]
@@ -246,6 +255,8 @@ def test_auto_streams_content_up_to_where_a_call_could_start():
     assert h.streamable("a < b") == len("a < b") and h.streamable("a <") == len("a") and h.streamable("a  ") == 1
     j = guided.AutoTools(guided.LLAMA3_JSON, {"f"})
     assert j.streamable("  ") == 0 and j.streamable(' {"name"') == 0 and j.streamable("Hi {") == 4
+    m = guided.AutoTools(guided.MISTRAL, {"f"})
+    assert m.streamable('[{"na') == 0 and m.streamable("[TOOL_CALLS][") == 0 and m.streamable("Sure [1]") == 8
 
 
 def test_a_tool_round_trip_reaches_the_template_with_arguments_as_objects(http):
@@ -295,7 +306,8 @@ def _forced(regex: str, stream: bool, client, **kw):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_tool_choice_auto_returns_the_models_calls(client, auto_format, stream):
-    """Content before the call and the call itself (Hermes), a bare JSON call (Llama 3), and plain text (no call):
+    """Content before the call and the call itself (Hermes), a bare JSON call (Llama 3), a list of calls (Mistral),
+    and plain text (no call):
     the openai client gets ``tool_calls`` with ``finish_reason`` "tool_calls", or content with "stop"."""
     auto_format(guided.HERMES)
     msg = _forced(re.escape("Let me check. " + HERMES_CALL), stream, client)
@@ -311,6 +323,11 @@ def test_tool_choice_auto_returns_the_models_calls(client, auto_format, stream):
     assert msg.finish_reason == "tool_calls" and not msg.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == [
         ("get_time", {"zone": "UTC"})]
+    auto_format(guided.MISTRAL)
+    msg = _forced(re.escape('[{"name": "get_time", "arguments": {"zone": "CET"}}]'), stream, client)
+    assert msg.finish_reason == "tool_calls" and not msg.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == [
+        ("get_time", {"zone": "CET"})]
 
 
 def test_tools_are_a_chat_feature(http):

@@ -8,9 +8,9 @@ arguments (a JSON object valid against its ``parameters`` schema), returned as o
 ``"required"`` constrains it to a JSON array of one or more ``{"name": ..., "parameters": {...}}``
 calls of the given functions (at most one with ``parallel_tool_calls: false``). ``"auto"`` (the
 default when tools are given) leaves the output free and parses it in the model's own tool-call format, read off its
-chat template (`tool_format`): Hermes / Qwen's ``<tool_call>{...}</tool_call>`` blocks, or Llama 3's bare JSON
-``{"name": ..., "parameters": ...}`` (`AutoTools`); a model whose template has neither gets a 400 that says what to
-send instead.
+chat template (`tool_format`): Hermes / Qwen's ``<tool_call>{...}</tool_call>`` blocks, Llama 3's bare JSON
+``{"name": ..., "parameters": ...}`` or Mistral's ``[TOOL_CALLS][{...}]`` (`AutoTools`); a model whose template has
+none of them gets a 400 that says what to send instead.
 """
 
 from __future__ import annotations
@@ -52,21 +52,26 @@ class ToolMode:
         return [tool_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in items]
 
 
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 _HERMES_OPEN = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)  # (the closing tag may be cut off at EOS)
-_PYTHON_TAG = "<|python_tag|>"
+# the bare-JSON formats: the tag a call may open with (a special token, left out of the text unless kept) and what its
+# JSON opens with (Llama 3: one object, or several after one another; Mistral: one list of objects)
+_BARE = {LLAMA3_JSON: ("<|python_tag|>", "{"), MISTRAL: ("[TOOL_CALLS]", "[")}
 
 
 def tool_format(chat_template: Optional[str]) -> Optional[str]:
     """The tool-call format a chat template asks its model for: `HERMES` (Qwen 2.5/3, Hermes: the template shows
-    ``<tool_call>`` blocks), `LLAMA3_JSON` (Llama 3.1-3.3: a bare JSON object with "name" and "parameters"), or
-    None (no tool format this server can parse)."""
+    ``<tool_call>`` blocks), `LLAMA3_JSON` (Llama 3.1-3.3: a bare JSON object with "name" and "parameters"),
+    `MISTRAL` (Mistral v0.3, Nemo: ``[TOOL_CALLS]`` and a JSON list of calls), or None (no tool format this server
+    can parse)."""
     if not isinstance(chat_template, str):
         return None
     if _HERMES_OPEN in chat_template:
         return HERMES
-    if _PYTHON_TAG in chat_template or '"parameters": dictionary of argument name' in chat_template:
+    if _BARE[MISTRAL][0] in chat_template:
+        return MISTRAL
+    if _BARE[LLAMA3_JSON][0] in chat_template or '"parameters": dictionary of argument name' in chat_template:
         return LLAMA3_JSON
     return None
 
@@ -94,8 +99,8 @@ class AutoTools:
 
     def streamable(self, text: str) -> int:
         """How much of ``text`` (an output so far) is content for sure, and can be streamed: up to where a call
-        starts, or could start (a `HERMES` text ending in a prefix of ``<tool_call>``; a `LLAMA3_JSON` text that
-        is blank so far or opens with ``{``), less trailing blanks (`split` drops those before a call)."""
+        starts, or could start (a `HERMES` text ending in a prefix of ``<tool_call>``; a bare-JSON format's text
+        that is blank so far or opens as a call does), less trailing blanks (`split` drops those before a call)."""
         upto = self._start(text)
         if upto is None:
             upto = len(text)
@@ -109,9 +114,10 @@ class AutoTools:
         if self.fmt == HERMES:
             i = text.find(_HERMES_OPEN)
             return i if i >= 0 else None
+        tag, opener = _BARE[self.fmt]
         body = text.lstrip()
-        call = body[len(_PYTHON_TAG):].lstrip() if body.startswith(_PYTHON_TAG) else body
-        return len(text) - len(body) if call.startswith("{") else None
+        call = body[len(tag):].lstrip() if body.startswith(tag) else body
+        return len(text) - len(body) if call.startswith(opener) else None
 
     def _parse(self, text: str) -> Optional[list[tuple[str, dict]]]:
         if self.fmt == HERMES:
@@ -120,10 +126,12 @@ class AutoTools:
             if rest.strip():  # text after the calls: not a tool-call message
                 return None
         else:
+            tag = _BARE[self.fmt][0]
             body = text.lstrip()
-            body = body[len(_PYTHON_TAG):] if body.startswith(_PYTHON_TAG) else body
-            blocks = _json_objects(body)
-            if blocks is None:
+            blocks = _json_values(body[len(tag):] if body.startswith(tag) else body)
+            if self.fmt == MISTRAL:  # (one list of calls)
+                blocks = blocks[0] if blocks and len(blocks) == 1 and isinstance(blocks[0], list) else None
+            if not blocks:
                 return None
         out = []
         for block in blocks:
@@ -143,8 +151,8 @@ class AutoTools:
         return out
 
 
-def _json_objects(text: str) -> Optional[list[dict]]:
-    """The JSON objects ``text`` is made of, one after another (separated by blanks or ";"); None if it is not."""
+def _json_values(text: str) -> Optional[list]:
+    """The JSON values ``text`` is made of, one after another (separated by blanks or ";"); None if it is not."""
     dec, out, i = json.JSONDecoder(), [], 0
     while True:
         while i < len(text) and text[i] in " \t\r\n;":

@@ -257,9 +257,9 @@ def _tool_spec(req: ChatCompletionRequest, fmt: Optional[str]
     if choice == "auto" and fmt is None:
         raise unsupported("tool_choice \"auto\" (the default when tools are given) is not supported for this "
                           "model: its chat template has no tool-call format this server parses (Hermes/Qwen "
-                          "<tool_call>, Llama 3 JSON). Send tool_choice \"required\" or {\"type\": \"function\", "
-                          "\"function\": {\"name\": ...}}: the output is then constrained to a valid call",
-                          "tool_choice")
+                          "<tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS]). Send tool_choice \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}: the output is then constrained to "
+                          "a valid call", "tool_choice")
     schemas: dict[str, Any] = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None

@@ -17,7 +17,7 @@ import pytest
 xgrammar = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_server import MODEL, server_fixtures  # noqa: E402
+from test_server import MODEL, metrics, server_fixtures  # noqa: E402
 
 from rosecli.server import guided  # noqa: E402
 
@@ -328,6 +328,38 @@ def test_tool_choice_auto_returns_the_models_calls(client, auto_format, stream):
     assert msg.finish_reason == "tool_calls" and not msg.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.message.tool_calls] == [
         ("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["content-streaming", "call-held"])
+def test_a_client_leaving_an_auto_tool_stream_frees_its_request(http, auto_format, held):
+    """The client goes away mid-stream under "auto": while content streams, and while a call is held (nothing is
+    sent until the end). The request is aborted and its KV blocks freed, and the server serves the next one."""
+    import time
+
+    auto_format(guided.HERMES)
+    regex = ('<tool_call>\\n\\{"name": "get_weather", "arguments": \\{"city": "[a-z]{400}"\\}\\}' if held
+             else "Let me think[a-z ]{400}")
+    before = metrics(http)[("rose_requests_total", frozenset({("finish_reason", "abort")}))]
+    body = {"model": MODEL, "messages": MSG, "tools": [WEATHER], "stream": True, "max_tokens": 420, "seed": 1,
+            "temperature": 1.0, "guided_regex": regex}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        next(lines)  # the role chunk
+        deadline = time.monotonic() + 10
+        while metrics(http)[("rose_kv_blocks_used", frozenset())] == 0:  # (running: it holds blocks)
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(http)
+        if m[("rose_kv_blocks_used", frozenset())] == 0 and m[("rose_num_requests_running", frozenset())] == 0:
+            break
+        assert time.monotonic() < deadline, "KV blocks were not released after the client went away"
+        time.sleep(0.05)
+    assert m[("rose_requests_total", frozenset({("finish_reason", "abort")}))] == before + 1
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 8, "guided_regex": "[0-9]{3}"})
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3}", ok.json()["choices"][0]["text"])
 
 
 def test_tools_are_a_chat_feature(http):

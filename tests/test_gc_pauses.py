@@ -37,3 +37,24 @@ def test_freeze_moves_start_up_objects_out_of_collections(monkeypatch):
         assert frozen > 1000 and gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_what_start_up_froze_is_finalized_at_exit():
+    """Frozen objects are never collected; one that became garbage was never finalized, and the server's exit
+    printed nanobind's "leaked ..." lines for Triton's objects. The process unfreezes at exit: its last
+    collection finalizes it."""
+    import subprocess
+    import sys
+
+    code = ("import gc\n"
+            "from rosecli.engine.gc_pauses import freeze_startup\n"
+            "class C:\n"
+            "    def __del__(self): print('finalized', flush=True)\n"
+            "x = C(); x.cycle = x\n"
+            "freeze_startup()\n"
+            "del x\n"
+            "gc.collect()\n"
+            "print('exiting', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["exiting", "finalized"]

@@ -12,6 +12,7 @@ counts are what ``/metrics`` reports.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -26,11 +27,18 @@ DEFAULT_WARN_MS = 20.0
 
 def freeze_startup() -> int:
     """Collect once, then freeze every surviving object (never walked again). Returns how many
-    objects were frozen. ``ROSE_GC_FREEZE=0`` leaves the collector as it is (returns 0)."""
+    objects were frozen. ``ROSE_GC_FREEZE=0`` leaves the collector as it is (returns 0).
+
+    The process unfreezes them at exit (`atexit`): frozen objects are never collected, not even by the
+    interpreter's last collection, so one that became garbage (in a cycle) was never finalized, and
+    the native libraries' objects among them were reported as leaked (nanobind printed some 27 lines
+    of "leaked ..." for Triton's when the server stopped)."""
     if os.environ.get("ROSE_GC_FREEZE", "1").strip() == "0":
         return 0
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # (once, however often start-up froze)
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
 
 

@@ -112,6 +112,39 @@ def test_paged_decode_padding_rows_with_zero_context(splits):
     assert _rel(out, ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("launch,window", [
+    (dict(splits=1, tile=64), None),  # GPT-2's B=64 row: one program per (sequence, kv head)
+    (dict(splits=4, tile=16), None),  # the token in any split (lengths 1..200 land in each)
+    (dict(splits=3, tile=32, head_major=False), 24),  # a sliding window: the splits count from its first tile
+])
+def test_decode_kernel_stores_this_steps_kv_as_the_store_kernel_does(dtype, launch, window):
+    """`paged_decode_attention`'s ``store``: the decode kernel puts each sequence's new K and V into its slot before it
+    reads (the program whose tiles hold that token), in place of `store_kv.store_kv_cache` before the call. The caches
+    and the output are bit for bit those of the two kernels; a padding row (slot -1, context 0) stores nothing."""
+    lens = [1, 16, 17, 40, 0, 97, 170, 200]  # (170: under the window, a wrong owner would store after the reader)
+    kv_heads, heads, head_dim, bs = 2, 6, 32, 16
+    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, bs, dtype, seed=9, spare=4)
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(DEV, dtype)
+    q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(-1, kv_heads, head_dim)
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[i, (n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for i, n in enumerate(lens)],
+                         dtype=torch.int64, device=DEV)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    store_kv_cache(k, v, kc, vc, slots)
+    want = paged_decode_attention(q, kc, vc, tables, ctx, head_dim ** -0.5, 256, window=window, **launch)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, 256, window=window,
+                                 store=(k, v, slots), **launch)
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    assert torch.equal(got[ctx > 0], want[ctx > 0])
+    ref = paged_decode_attention_ref(q[ctx > 0].float(), kc.float(), vc.float(), tables[ctx > 0], ctx[ctx > 0],
+                                     head_dim ** -0.5, max(lens), window)
+    assert _rel(got[ctx > 0], ref) < TOL[dtype]
+
+
 # Launches the table or the sweep may pick: either grid order, more splits than a context has tiles,
 # tiles longer than a context, one split; all on ragged lengths (an empty row, a single token, block
 # and tile edges, many blocks).

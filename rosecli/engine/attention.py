@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rosecli.kernels import paged_decode, prefill_attention, slot_rows, store_kv
+from rosecli.kernels.launch_table import kv_in_decode
 
 
 @dataclass
@@ -101,8 +102,11 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        store = None  # (K and V stored by the decode kernel itself: `launch_table.kv_in_decode`)
         if kv_stored:
             pass  # the Llama family's rotary kernel (`rosecli.kernels.rotary`) or GPT-2's q/k/v GEMM stored them
+        elif meta.use_triton and not meta.is_prefill and kv_in_decode():
+            store = (k, v, meta.slot_mapping)
         elif meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         elif meta.store_index is not None:
@@ -117,7 +121,8 @@ class Attention(nn.Module):
             elif meta.use_triton:
                 out = paged_decode.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                           meta.context_lens, self.scale, meta.max_context_len,
-                                                          window=self.sliding_window, early=not after_gemm)
+                                                          window=self.sliding_window, early=not after_gemm,
+                                                          store=store)
             else:
                 out = paged_decode.paged_decode_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables,
                                                               meta.context_lens, self.scale, meta.max_context_len,

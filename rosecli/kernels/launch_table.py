@@ -247,6 +247,20 @@ def fold_copy(rows: int) -> bool:
     return rows > 1
 
 
+KV_IN_DECODE = os.environ.get("ROSE_KV_IN_DECODE", "1") != "0"  # (0: the store kernel before decode attention)
+
+
+def kv_in_decode() -> bool:
+    """Whether a Triton decode step's K and V, where nothing before stored them (GPT-2's at 2-64 rows: not its q/k/v
+    GEMM, `kv_in_gemm`, nor the Llama family's rotary kernel), are stored into the cache by the decode-attention kernel
+    itself (`paged_decode_attention`'s ``store``) rather than by `store_kv.store_kv_cache` before it. Measured on the
+    H100 (`rose profile --decode-step --model gpt2 --input-len 200`, ``ROSE_KV_IN_DECODE=0`` against 1, alternating
+    twice in one call, us per step): B=16 388.7 / 388.4 -> 380.0 / 380.6, B=64 569.6 / 570.5 -> 564.9 / 566.3 (12
+    kernels fewer; the decode kernel 0.1-0.4 us slower at 16 rows). With the decode kernel then not launched early
+    (``ROSE_PDL_OFF=decode``) B=64 gained 1.5 us more and B=16 lost 5-6 us: it stays early."""
+    return KV_IN_DECODE
+
+
 def kv_in_gemm(rows: int) -> bool:
     """Whether GPT-2's q/k/v GEMM stores K and V into the cache in its epilogue (`skinny_gemm.KVOut`) instead
     of the store kernel after it. Measured on the H100 (`rose profile --decode-step`, one call): at one row

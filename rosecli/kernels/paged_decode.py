@@ -114,8 +114,9 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, lo, kv_heads, kvh, TILE: 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b, out_stride_h,
-                   kv_heads, group, num_splits, window, M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   mid_lse_ptr, kn_ptr, vn_ptr, slot_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b,
+                   out_stride_h, kn_stride, vn_stride, kv_heads, group, num_splits, window, STORE: tl.constexpr,
+                   M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, the merge or the output projection's, may launch now)
@@ -128,6 +129,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     n_tiles = _split_tiles(ctx, lo, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
+    if STORE:  # this step's K and V (the sequence's last token) into its cache slot first, as `store_kv` would, by
+        # the program whose tiles hold that token; its loads below then read them back (after the barrier)
+        last = d * 0 + ctx - 1  # (in vectors: the interpreter takes no mask made of scalars)
+        slot = tl.load(slot_ptr + b + d * 0).to(tl.int64)  # (a padding row's slot is negative)
+        own = (slot >= 0) & (last >= 0) & ((last // TILE - lo // TILE) % num_splits == s)
+        dst = (((slot // BLOCK_SIZE) * kv_heads + kvh) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d
+        kn = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + d, mask=own)
+        vn = tl.load(vn_ptr + b * vn_stride + kvh * HEAD_DIM + d, mask=own)
+        tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty), mask=own)
+        tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty), mask=own)
+        tl.debug_barrier()
     heads = kvh * group + g
     gmask = g < group
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
@@ -199,13 +211,18 @@ def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_l
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None, *,
-                           window: Optional[int] = None, early: bool = True, **launch):
+                           window: Optional[int] = None, early: bool = True, store: Optional[tuple] = None,
+                           **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
 
     ``early``: launched with PDL (`kernels.pdl`) where the device has it. Not after a long GEMM: the decode programs
     waiting on the device crowd its last ones (on the H100 GPT-2's one-row step, after the q/k/v GEMM that also
     stores K and V, took 294.6 us with it against 289.5 without; after the KV store kernel at 64 rows 523 against
     540 us).
+
+    ``store``: ``(key, value, slot_mapping)`` of this step's tokens ([B, kv_heads, head_dim] each), stored into the
+    cache by the kernel itself before it reads (in place of `store_kv.store_kv_cache` before the call; each sequence's
+    token must be its last, as in a decode step).
 
     ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
     """
@@ -227,10 +244,18 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         mid_o = mid_lse = out
     pdl = splits > 1 and use_pdl(q.device, "merge")  # the merge launched early
     early = early and use_pdl(q.device, "decode")  # ... and this kernel
+    if store is not None:
+        key, value, slots = store
+        assert key.shape == value.shape == (batch, kv_heads, head_dim) and slots.shape == (batch,)
+        assert key.stride(2) == value.stride(2) == 1 and key.stride(1) == value.stride(1) == head_dim
+        kn, vn, kn_stride, vn_stride = key, value, key.stride(0), value.stride(0)
+    else:
+        kn = vn = slots = q
+        kn_stride = vn_stride = 0
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0),
-        q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kv_heads, group, splits,
-        window or NO_WINDOW, M=m,
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, kn, vn, slots, scale * LOG2E,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kn_stride, vn_stride, kv_heads,
+        group, splits, window or NO_WINDOW, STORE=store is not None, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=early or pdl, HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

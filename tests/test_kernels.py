@@ -145,6 +145,45 @@ def test_decode_kernel_stores_this_steps_kv_as_the_store_kernel_does(dtype, laun
     assert _rel(got[ctx > 0], ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("launch", [dict(splits=1, tile=64), dict(splits=4, tile=16, head_major=False)])
+def test_decode_kernel_rotates_and_stores_as_rotary_kv_does(dtype, launch):
+    """`paged_decode_attention`'s ``rope``: given q and k unrotated, the decode kernel rotates q and the new k as
+    `rotary.rotary_kv` does and stores k and v: the caches agree with that kernel's to one rounding (exactly under the
+    interpreter, which does not contract the multiply-adds) and so does the output; a padding row stores nothing."""
+    from rosecli.kernels.rotary import rotary_kv
+
+    lens = [1, 17, 0, 64, 130]
+    kv_heads, heads, head_dim, bs = 2, 6, 32, 16
+    k_cache, v_cache, tables, ctx = _paged(lens, kv_heads, head_dim, bs, dtype, seed=11, spare=4)
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, generator=g).to(DEV, dtype)
+    angles = torch.rand(256, head_dim // 2, generator=g) * 6.28
+    cos = torch.cat([angles.cos(), angles.cos()], 1).to(DEV)
+    sin = torch.cat([-angles.sin(), angles.sin()], 1).to(DEV)
+    positions = torch.tensor([max(n - 1, 0) for n in lens], device=DEV)
+    tab = tables.long().cpu()
+    slots = torch.tensor([int(tab[i, (n - 1) // bs]) * bs + (n - 1) % bs if n else -1 for i, n in enumerate(lens)],
+                         dtype=torch.int64, device=DEV)
+    split = [heads * head_dim, (heads + kv_heads) * head_dim]
+    kc, vc, rotated = k_cache.clone(), v_cache.clone(), qkv.clone()
+    rotary_kv(rotated, positions, cos, sin, kc, vc, slots, heads, kv_heads)
+    want = paged_decode_attention(rotated[:, :split[0]].view(-1, heads, head_dim), kc, vc, tables, ctx,
+                                  head_dim ** -0.5, 256, **launch)
+    q = qkv[:, :split[0]].view(-1, heads, head_dim)
+    k = qkv[:, split[0]:split[1]].view(-1, kv_heads, head_dim)
+    v = qkv[:, split[1]:].view(-1, kv_heads, head_dim)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, ctx, head_dim ** -0.5, 256, store=(k, v, slots),
+                                 rope=(positions, cos, sin), **launch)
+    ulp = 2 ** -10 if dtype == torch.float16 else 2 ** -22
+    assert torch.equal(v_cache, vc)
+    assert ((k_cache.float() - kc.float()).abs() <= ulp * kc.float().abs().clamp_min(1)).all()
+    if DEV == "cpu":
+        assert torch.equal(k_cache, kc) and torch.equal(got[ctx > 0], want[ctx > 0])
+    assert _rel(got[ctx > 0], want[ctx > 0]) < TOL[dtype] / 4
+    assert torch.equal(qkv[:, :split[0]], q.reshape(len(lens), -1))  # (q is read, not rotated in place)
+
+
 # Launches the table or the sweep may pick: either grid order, more splits than a context has tiles,
 # tiles longer than a context, one split; all on ragged lengths (an empty row, a single token, block
 # and tile edges, many blocks).

@@ -524,6 +524,10 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     from rosecli.kernels import rotary
     rotations, real_rot = [], rotary.rotary_kv
     monkeypatch.setattr(rotary, "rotary_kv", lambda *a, **kw: rotations.append(1) or real_rot(*a, **kw))
+    from rosecli.kernels import paged_decode
+    in_decode, real_decode = [], paged_decode.paged_decode_attention
+    monkeypatch.setattr(paged_decode, "paged_decode_attention",
+                        lambda *a, **kw: in_decode.append(kw.get("rope") is not None) or real_decode(*a, **kw))
 
     def logits(prior):  # a decode step: `tokens` sequences of one new token after `prior` cached ones
         g = torch.Generator().manual_seed(3)
@@ -543,7 +547,8 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
 
     (on, on_gemm), (on_prior, _) = logits(0), logits(2)
     if kind != "gpt2":  # the Llama family at one row: q and k rotated, K and V stored, by the q/k/v GEMM (`KVOut.rope`)
-        assert (not rotations) == (tokens == 1)
+        # (more rows: by the decode kernel, `launch_table.rope_in_decode`; the rotary kernel never runs)
+        assert not rotations and all(in_decode) == (tokens > 1) and any(in_decode) == (tokens > 1)
     assert calls or adds  # the kernel ran
     layers = len(model.attention_layers())
     # one row: every add_norm but the last folded (2 a layer, 2 steps); with the pairs, every add_norm after a GEMM

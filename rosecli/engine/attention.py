@@ -93,11 +93,14 @@ class Attention(nn.Module):
         self.v_cache: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, kv_stored: bool = False, after_gemm: bool = False) -> torch.Tensor:
+                meta: AttentionMetadata, kv_stored: bool = False, after_gemm: bool = False,
+                rope: Optional[tuple] = None) -> torch.Tensor:
         """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
         ``kv_stored``: the caller has put k and v into this layer's cache already (`rosecli.kernels.rotary`,
         `models.common.norm_qkv`); ``after_gemm``: the kernel before this one is the q/k/v GEMM itself (the
-        decode kernel is then not launched early: `paged_decode.paged_decode_attention`'s ``early``)."""
+        decode kernel is then not launched early: `paged_decode.paged_decode_attention`'s ``early``); ``rope``
+        (a Triton decode step where `launch_table.rope_in_decode` says, `rotary.rotary_kv`'s positions and tables):
+        q and k are unrotated, and the decode kernel rotates them and stores k and v."""
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
@@ -105,7 +108,7 @@ class Attention(nn.Module):
         store = None  # (K and V stored by the decode kernel itself: `launch_table.kv_in_decode`)
         if kv_stored:
             pass  # the Llama family's rotary kernel (`rosecli.kernels.rotary`) or GPT-2's q/k/v GEMM stored them
-        elif meta.use_triton and not meta.is_prefill and kv_in_decode():
+        elif meta.use_triton and not meta.is_prefill and (kv_in_decode() or rope is not None):
             store = (k, v, meta.slot_mapping)
         elif meta.use_triton:
             store_kv.store_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -122,7 +125,7 @@ class Attention(nn.Module):
                 out = paged_decode.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                           meta.context_lens, self.scale, meta.max_context_len,
                                                           window=self.sliding_window, early=not after_gemm,
-                                                          store=store)
+                                                          store=store, rope=rope)
             else:
                 out = paged_decode.paged_decode_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables,
                                                               meta.context_lens, self.scale, meta.max_context_len,

@@ -261,6 +261,22 @@ def kv_in_decode() -> bool:
     return KV_IN_DECODE
 
 
+ROPE_IN_DECODE = os.environ.get("ROSE_ROPE_IN_DECODE", "1") != "0"  # (0: the rotary kernel before decode attention)
+
+
+def rope_in_decode() -> bool:
+    """Whether a Llama-family decode step whose q/k/v GEMM did not rotate q and k (`kv_in_gemm`; not Qwen3's q/k norms)
+    leaves the rotation and the K/V store to the decode-attention kernel (`paged_decode_attention`'s ``rope``) in
+    place of the `rotary.rotary_kv` kernel before it: one kernel a layer fewer at 2-64 rows. Measured on an H200
+    (`rose profile --decode-step --decode-batch-sizes 16,64`, ``ROSE_ROPE_IN_DECODE=0`` against 1 in one call, us per
+    step, the 1-1.5B shapes alternating twice): Llama-3.2-1B B=16 1,135.2 / 1,137.7 -> 1,086.2 / 1,087.0, B=64
+    1,230.5 / 1,232.4 -> 1,207.4 / 1,208.4; Qwen2.5-1.5B 1,718.2 / 1,718.2 -> 1,647.6 / 1,647.8 and 1,860.5 / 1,862.1
+    -> 1,823.4 / 1,823.6; SmolLM2-135M 652.9 -> 618.8 and 798.7 -> 786.3; Llama-3.1-8B 4,726.0 -> 4,684.7 and
+    5,126.4 -> 5,101.3. The decode kernel stays launched early (``ROSE_PDL_OFF=decode``: SmolLM2 B=16 634.0, B=64
+    781.5; the 1B 1,088.5 and 1,202.6)."""
+    return ROPE_IN_DECODE
+
+
 def kv_in_gemm(rows: int) -> bool:
     """Whether GPT-2's q/k/v GEMM stores K and V into the cache in its epilogue (`skinny_gemm.KVOut`) instead
     of the store kernel after it. Measured on the H100 (`rose profile --decode-step`, one call): at one row

@@ -114,9 +114,10 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, bt_row, j, ctx, lo, kv_heads, kvh, TILE: 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, mid_o_ptr,
-                   mid_lse_ptr, kn_ptr, vn_ptr, slot_ptr, qk_scale, q_stride_b, q_stride_h, bt_stride, out_stride_b,
-                   out_stride_h, kn_stride, vn_stride, kv_heads, group, num_splits, window, STORE: tl.constexpr,
-                   M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   mid_lse_ptr, kn_ptr, vn_ptr, slot_ptr, pos_ptr, cos_ptr, sin_ptr, qk_scale, q_stride_b,
+                   q_stride_h, bt_stride, out_stride_b, out_stride_h, kn_stride, vn_stride, rope_stride, kv_heads,
+                   group, num_splits, window, STORE: tl.constexpr, ROPE: tl.constexpr, M: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, the merge or the output projection's, may launch now)
@@ -129,6 +130,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     n_tiles = _split_tiles(ctx, lo, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
+    if ROPE:  # q and the new k rotated here (`rotary.rotary_kv`'s arithmetic: float32, rounded to the row's dtype)
+        partner = (d + HEAD_DIM // 2) % HEAD_DIM  # the other half's element (the rotation swaps the halves)
+        pos = tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0)
+        rc = tl.load(cos_ptr + pos * rope_stride + d).to(tl.float32)
+        rs = tl.load(sin_ptr + pos * rope_stride + d).to(tl.float32)
     if STORE:  # this step's K and V (the sequence's last token) into its cache slot first, as `store_kv` would, by
         # the program whose tiles hold that token; its loads below then read them back (after the barrier)
         last = d * 0 + ctx - 1  # (in vectors: the interpreter takes no mask made of scalars)
@@ -136,6 +142,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         own = (slot >= 0) & (last >= 0) & ((last // TILE - lo // TILE) % num_splits == s)
         dst = (((slot // BLOCK_SIZE) * kv_heads + kvh) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d
         kn = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + d, mask=own)
+        if ROPE:
+            kns = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + partner, mask=own)
+            kn = (kn.to(tl.float32) * rc + kns.to(tl.float32) * rs).to(kn_ptr.dtype.element_ty)
         vn = tl.load(vn_ptr + b * vn_stride + kvh * HEAD_DIM + d, mask=own)
         tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty), mask=own)
         tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty), mask=own)
@@ -143,6 +152,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     heads = kvh * group + g
     gmask = g < group
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
+    if ROPE:
+        qs = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + partner[None, :], mask=gmask[:, None],
+                     other=0.0)
+        q = (q.to(tl.float32) * rc[None, :] + qs.to(tl.float32) * rs[None, :]).to(q_ptr.dtype.element_ty)
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
     # Scores are kept in log2 units (qk_scale folds in log2(e)) so the softmax uses exp2.
@@ -212,7 +225,7 @@ def _resolved_launch(batch, heads, kv_heads, head_dim, block_size, max_context_l
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out=None, *,
                            window: Optional[int] = None, early: bool = True, store: Optional[tuple] = None,
-                           **launch):
+                           rope: Optional[tuple] = None, **launch):
     """Same contract as `paged_decode_attention_ref`; ``out`` (optional) receives the result.
 
     ``early``: launched with PDL (`kernels.pdl`) where the device has it. Not after a long GEMM: the decode programs
@@ -222,7 +235,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
     ``store``: ``(key, value, slot_mapping)`` of this step's tokens ([B, kv_heads, head_dim] each), stored into the
     cache by the kernel itself before it reads (in place of `store_kv.store_kv_cache` before the call; each sequence's
-    token must be its last, as in a decode step).
+    token must be its last, as in a decode step). ``rope``: ``(positions, cos, sin)`` (`rotary.rotary_kv`'s
+    full-width tables): q and the stored k are given unrotated and rotated by the kernel, as `rotary.rotary_kv` would
+    (up to float32 contraction of its multiply-adds, which that kernel does not do); needs ``store``.
 
     ``launch`` overrides keys of `decode_launch` (used by the tests and the benchmark's sweep only).
     """
@@ -252,10 +267,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     else:
         kn = vn = slots = q
         kn_stride = vn_stride = 0
+    if rope is not None:
+        positions, cos, sin = rope
+        assert store is not None and cos.shape[1] == head_dim and cos.stride() == sin.stride() and cos.stride(1) == 1
+        assert positions.shape == (batch,)
+    else:
+        positions = cos = sin = q
     _decode_kernel[grid](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, kn, vn, slots, scale * LOG2E,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kn_stride, vn_stride, kv_heads,
-        group, splits, window or NO_WINDOW, STORE=store is not None, M=m,
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, kn, vn, slots, positions, cos, sin,
+        scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), kn_stride,
+        vn_stride, cos.stride(0) if rope is not None else 0, kv_heads, group, splits, window or NO_WINDOW,
+        STORE=store is not None, ROPE=rope is not None, M=m,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, HEAD_MAJOR=bool(cfg["head_major"]),
         USE_DOT=bool(cfg["use_dot"]), DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PDL=early or pdl, HAS_WINDOW=window is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -16,6 +16,7 @@ from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_no
                                            copy_weight, linear_residual, logits_gemm, norm_linear, norm_qkv,
                                            output_embedding_module, output_linear, output_logits, padded_output_rows)
 from rosecli.engine.models.rope import context_length, rotary_angles
+from rosecli.kernels.launch_table import rope_in_decode
 from rosecli.kernels import rotary
 
 
@@ -86,8 +87,12 @@ class LlamaLayer(nn.Module):
                                           meta, rope if self.q_norm is None else None)
         n = qkv.shape[0]
         stored = in_gemm or rope.positions is not None
-        if in_gemm:
+        # a decode step's rotation and K/V store in the attention kernel (`launch_table.rope_in_decode`)
+        in_decode = (stored and not in_gemm and self.q_norm is None and meta.use_triton and not meta.is_prefill
+                     and rope_in_decode())
+        if in_gemm or in_decode:
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size]
+            stored = in_gemm
         elif stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
             norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
@@ -104,7 +109,8 @@ class LlamaLayer(nn.Module):
             k = self.k_norm(qkv[:, self.q_size:qk_size].reshape(n, self.kv_heads, self.head_dim))
             q = apply_rotary(q, rope.cos, rope.sin).reshape(n, self.q_size)
             k = apply_rotary(k, rope.cos, rope.sin).reshape(n, self.kv_size)
-        attn = self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored, after_gemm=in_gemm)
+        attn = self.attn(q, k, qkv[:, qk_size:], meta, kv_stored=stored, after_gemm=in_gemm,
+                         rope=(rope.positions, rope.cos, rope.sin) if in_decode else None)
         o, residual, o_bias = linear_residual(self.o_proj, attn, residual, fused, self.post_attention_layernorm,
                                               self.gate_up_proj, swiglu=True)
         g, residual = norm_linear(self.post_attention_layernorm, self.gate_up_proj, o, residual, fused, o_bias,

@@ -86,13 +86,13 @@ class LlamaLayer(nn.Module):
         qkv, residual, in_gemm = norm_qkv(self.input_layernorm, self.qkv_proj, x, residual, fused, x_bias, self.attn,
                                           meta, rope if self.q_norm is None else None)
         n = qkv.shape[0]
-        stored = in_gemm or rope.positions is not None
+        positioned = rope.positions is not None  # (the Triton paths: `rotary.rotary_kv`'s positions)
         # a decode step's rotation and K/V store in the attention kernel (`launch_table.rope_in_decode`)
-        in_decode = (stored and not in_gemm and self.q_norm is None and meta.use_triton and not meta.is_prefill
+        in_decode = (positioned and not in_gemm and self.q_norm is None and meta.use_triton and not meta.is_prefill
                      and rope_in_decode())
+        stored = in_gemm or (positioned and not in_decode)
         if in_gemm or in_decode:
             q, k = qkv[:, :self.q_size], qkv[:, self.q_size:qk_size]
-            stored = in_gemm
         elif stored:
             # one kernel: (q/k norm,) rotation of q and k in place in qkv, k and v into this layer's cache
             norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,

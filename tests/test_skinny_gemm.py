@@ -34,7 +34,6 @@ def _err(got, x, w, b, mode):
 
 SHAPES = [
     (1, 96, 576, None),  # the table's one-row launch (K steps past the end of K)
-    (1, 72, 768, None),  # GPT-2's one-row attn_proj launch: two 512-wide K steps, the second half past the end
     (1, 40, 1000, SkinnyLaunch(4, 128, 3, 2, 2)),  # one row, split-K, uneven K
     (5, 80, 160, None),  # tensor-core tiles, padding rows
     (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # a 32-row tile, split-K

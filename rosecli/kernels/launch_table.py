@@ -125,11 +125,6 @@ class SkinnyLaunch(NamedTuple):
 # but inside whole decode steps at 64 rows it measured 2% faster for Llama-3.2-1B, 1% slower for
 # Qwen2.5-1.5B and 3% slower for Llama-3-8B: they keep cuBLAS at 2-64 rows, as do their other layers
 # (-3..+6% of cuBLAS alone).
-# On an H200 (the same sweep, GPT-2's layers) the one-row bests differed from these launches by 0.2-1.1 us alone, but
-# inside GPT-2's B=1 decode step (`rose profile --decode-step --model gpt2 --decode-batch-sizes 1`, one call, us per
-# step, the base three times: 277.2, 277.2, 277.4) only attn_proj's two 512-wide K steps gained (275.2, 275.1,
-# 275.1); 8 or 16 columns per program for the norm-folded c_attn and c_fc (276.3-278.1) and 512-wide K steps for
-# the logits GEMM (279.7-281.4) did not.
 SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows (x2 gate/up)
 # ... and only for the small models' widths: layers of at least this many inputs and outputs (Qwen2.5-1.5B's q/k/v
 # [2048, 1536] and o [1536, 1536], Llama-3.2-1B's o [2048, 2048], all within SMALL_LAYER) went back to cuBLAS.
@@ -146,8 +141,6 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
     if rows == 1:
         if size > (16 << 20):
             return SkinnyLaunch(4, 256, 1, 4, 3)
-        if k == 768:  # GPT-2's attn_proj (its c_attn and c_fc take `fold_norm`): two 512-wide steps, not three
-            return SkinnyLaunch(4, 512, 1, 2, 3)
         return SkinnyLaunch(4, 512 if k >= 1024 or k % 512 == 0 else 256, 1, 2, 4)
     if size > SMALL_LAYER or min(n, k) >= SMALL_LAYER_SIDE:
         return None

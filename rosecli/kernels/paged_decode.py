@@ -33,6 +33,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from rosecli.kernels import launch_table
 from rosecli.kernels.pdl import pdl_begin, use_pdl
+from rosecli.kernels.rotary import rotate_pair
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 2 ** 30  # the window argument of a model without sliding window: longer than any context
@@ -130,7 +131,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     n_tiles = _split_tiles(ctx, lo, s, num_splits, TILE)
     g = tl.arange(0, M)
     d = tl.arange(0, HEAD_DIM)
-    if ROPE:  # q and the new k rotated here (`rotary.rotary_kv`'s arithmetic: float32, rounded to the row's dtype)
+    if ROPE:  # q and the new k rotated here (`rotary.rotate_pair`, as `rotary_kv`: rounded to the row's dtype)
         partner = (d + HEAD_DIM // 2) % HEAD_DIM  # the other half's element (the rotation swaps the halves)
         pos = tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0)
         rc = tl.load(cos_ptr + pos * rope_stride + d).to(tl.float32)
@@ -144,7 +145,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         kn = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + d, mask=own)
         if ROPE:
             kns = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + partner, mask=own)
-            kn = (kn.to(tl.float32) * rc + kns.to(tl.float32) * rs).to(kn_ptr.dtype.element_ty)
+            kn = rotate_pair(kn, kns, rc, rs).to(kn_ptr.dtype.element_ty)
         vn = tl.load(vn_ptr + b * vn_stride + kvh * HEAD_DIM + d, mask=own)
         tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty), mask=own)
         tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty), mask=own)
@@ -155,7 +156,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
     if ROPE:
         qs = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + partner[None, :], mask=gmask[:, None],
                      other=0.0)
-        q = (q.to(tl.float32) * rc[None, :] + qs.to(tl.float32) * rs[None, :]).to(q_ptr.dtype.element_ty)
+        q = rotate_pair(q, qs, rc[None, :], rs[None, :]).to(q_ptr.dtype.element_ty)
     if not USE_DOT:
         q = q.to(tl.float32) * qk_scale
     # Scores are kept in log2 units (qk_scale folds in log2(e)) so the softmax uses exp2.

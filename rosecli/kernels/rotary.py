@@ -63,6 +63,14 @@ def rotary_kv_ref(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
+def rotate_pair(x, xs, c, s):
+    """One rotation in float32: ``x * cos + swap_halves(x) * sin``, ``xs`` being ``x``'s elements swapped between
+    its halves and ``c``/``s`` the full-width tables' entries. The arithmetic of `rotary_kv`, shared with the decode
+    kernel's rotation (`paged_decode.paged_decode_attention`'s ``rope``); the caller rounds to its dtype."""
+    return x.to(tl.float32) * c + xs.to(tl.float32) * s
+
+
+@triton.jit
 def _rotary_kv_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                       qkv_stride, table_stride, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -53,6 +53,7 @@ from rosecli.kernels.activation import gelu_tanh, silu
 from rosecli.kernels.launch_table import SkinnyLaunch, prefetch_lines, skinny_launch
 from rosecli.kernels.norm import add_norm_ref
 from rosecli.kernels.pdl import LINE_BYTES, l2_prefetch, use_pdl, use_prefetch
+from rosecli.kernels.rotary import rotate_pair
 
 MAX_ROWS = 64  # the most rows this path takes (a decode step's batch); more go to cuBLAS
 
@@ -332,7 +333,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
             s = tl.load(sin_ptr + at, mask=out_mask, other=0.0).to(tl.float32)
             first, second = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
             partner = tl.reshape(tl.join(second, first), (BLOCK_M, BLOCK_N))
-            y = tl.where(rot[None, :], (y * c + partner * s).to(dt).to(tl.float32), y)
+            y = tl.where(rot[None, :], rotate_pair(y, partner, c, s).to(dt).to(tl.float32), y)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
     if KV_STORE:  # columns kv_first.. are K then V: also into their cache slots (`store_kv.store_kv_cache`)
         slot = tl.load(slot_ptr + rm, mask=mmask, other=-1).to(tl.int64)  # a negative slot stores nothing

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine_utils import rel_err, same_greedy
 from rosecli.kernels import skinny_gemm
-from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch
+from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch, stats_fold
 from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -140,6 +140,8 @@ STATS_SHAPES = [  # rows, n (the stream's width), k, the producer's launch, the 
     (64, 72, 64, SkinnyLaunch(32, 64, 1, 4, 3), SkinnyLaunch(16, 16, 1, 4, 2)),  # 64 rows, a column tile past N
     (1, 778, 64, SkinnyLaunch(4, 64, 1, 2, 2), SkinnyLaunch(4, 256, 1, 2, 2)),  # one row (vector products): 195
     # tiles of 4, the last 2 wide
+    (1, 40, 2560, stats_fold(1, 40, 2560, before=True), SkinnyLaunch(4, 256, 1, 2, 2)),  # one row, the
+    # producer in the table's K steps (1024 wide: two and a half of them)
 ]
 
 
@@ -357,7 +359,7 @@ def test_residual_statistics_table(monkeypatch):
     """The GEMM pairs around a norm run at 2-64 rows for the small models' layers (GPT-2, SmolLM2-135M), not for
     layers the table leaves to cuBLAS there (Llama-3.2-1B's); at one row for the 1.5B-8B models' widths only."""
     from rosecli.kernels import launch_table
-    from rosecli.kernels.launch_table import stats_fold, stats_pair
+    from rosecli.kernels.launch_table import stats_pair
 
     small = [(768, 768, False), (768, 3072, False), (3072, 768, False), (2304, 768, False),  # GPT-2
              (576, 576, False), (576, 1536, False), (1536, 576, True), (960, 576, False)]  # SmolLM2
@@ -375,10 +377,13 @@ def test_residual_statistics_table(monkeypatch):
     assert not any(stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096))
     assert all(stats_pair(rows, w) for rows in (2, 64) for w in (576, 4096)) and not stats_pair(65, 768)
     assert stats_fold(1, 3072, 2048) is not None and stats_fold(1, 8192, 2048, True) is not None
-    # one row: 512-wide K steps, 3 stages; 4 warps only for the GEMM before the norm at K >= 4096 (Llama-3-8B's o, down)
+    # one row, 3 stages: the GEMM after the norm in 512-wide K steps; the one before in 1024-wide steps, with 4 warps
+    # at Llama-3-8B's width (its o and down) and 2 below it (Llama-3.2-1B's and Qwen2.5-1.5B's down, K >= 4096 too)
     assert stats_fold(1, 6144, 4096) == SkinnyLaunch(4, 512, 1, 2, 3)
-    assert stats_fold(1, 4096, 14336, before=True).num_warps == 4
-    assert stats_fold(1, 1536, 1536, before=True).num_warps == 2
+    assert stats_fold(1, 4096, 14336, before=True) == stats_fold(1, 4096, 4096, before=True) == SkinnyLaunch(
+        4, 1024, 1, 4, 3)
+    assert stats_fold(1, 2048, 8192, before=True) == stats_fold(1, 1536, 1536, before=True) == SkinnyLaunch(
+        4, 1024, 1, 2, 3)
 
 
 def test_one_row_logits_gemm_takes_the_kernel(monkeypatch):

@@ -199,8 +199,9 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
     and writes each row's statistics of the sum (`skinny_gemm.skinny_linear_add`), and of the one after the
     norm, which reads the raw sum with the norm folded into its weights (`skinny_gemm.skinny_stats_norm_linear`),
     in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
-    At one row, for the widths `stats_pair` gives it (elsewhere `fold_norm`), a one-row launch with 512-wide K steps
-    and 3 stages, 4 warps for the GEMM ``before`` the norm at K >= 4096, else 2.
+    At one row, for the widths `stats_pair` gives it (elsewhere `fold_norm`), a one-row launch with 3 stages: the GEMM
+    after the norm in 512-wide K steps with 2 warps, the one ``before`` it in 1024-wide steps with 4 warps at 4096
+    outputs (Llama-3-8B's width) and 2 below.
 
     Measured on the H100. A sweep of each GPT-2 / SmolLM2-135M pair at 64 rows (weights in L2) found 32-column,
     128-wide K tiles with 4 stages best or within 0.3 us of it for all eight kernels; the plain table's 2-warp
@@ -213,9 +214,18 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
     plain one-row table's launches -> the best found, us per pair: Llama-3-8B o+gate_up 93.7 -> 91.1 (4 warps
     before, 2 after), down+qkv 63.8 -> 59.0 (the same); Qwen2.5-1.5B o+gate_up 25.3 -> 23.5, down+qkv 15.3 -> 15.3;
     Llama-3.2-1B o+gate_up 30.2 -> 28.8, down+qkv 19.0 -> 19.0. Every best had 4 columns and 512-wide K steps,
-    most 3 stages."""
+    most 3 stages.
+    On the H200 the same sweep, with 1024-wide K steps and 5 stages added, found the 1B's pairs best with the GEMM
+    before the norm in 1024-wide K steps and 2 warps (o+gate_up 21.2 -> 20.9 us, down+qkv 17.9 -> 14.9: the 4 warps
+    the rule then gave every K >= 4096 had put its down projection 3 us behind the plain kernel). Inside the step
+    (`rose profile --decode-step --decode-batch-sizes 1`, the engine before against this rule, alternating, one call,
+    us): Llama-3.2-1B 868.8 / 868.4 -> 818.0 / 817.6, Qwen2.5-1.5B 1,330.6 / 1,330.5 -> 1,203.0 / 1,202.3,
+    Llama-3.1-8B 3,918.4 -> 3,851.5; 4 warps wherever K >= 4096 with the wider steps measured 831.0 (1B) and 1,225.7
+    (Qwen), and 2 warps in 512-wide steps 859 (1B) and 1,356 (Qwen, slower than before)."""
     if rows == 1:  # (whether one row takes the pair at all is `stats_pair`'s to say)
-        return SkinnyLaunch(4, 512, 1, 4 if before and k >= 4096 else 2, 3)
+        if before:  # 1024-wide K steps; 4 warps at Llama-3-8B's width (4096 outputs), 2 below it
+            return SkinnyLaunch(4, 1024, 1, 4 if n >= 4096 else 2, 3)
+        return SkinnyLaunch(4, 512, 1, 2, 3)
     if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)

@@ -8,6 +8,8 @@ sweep, in `launch_table.SkinnyLaunch` form.
 
     python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
 
+At 2-64 rows the sweep also tries the TMA-loaded tiles (`SkinnyLaunch.tma`, the last field of a launch).
+
 ``--pairs`` times instead each add_norm between two of a model's layers, as the decode graphs run it without
 the pair: at 2-64 rows the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after; at one row the
 GEMM before and the one after with the norm in its prologue (`launch_table.fold_norm`, else add_norm). Against
@@ -185,7 +187,7 @@ def main() -> None:
                         torch.cuda.synchronize()
                         return math.inf
 
-                cfg0 = skinny_launch(M, N // 2 if swiglu else N, K)  # (None: the table keeps cuBLAS)
+                cfg0 = skinny_launch(M, N // 2 if swiglu else N, K, swiglu)  # (None: the table keeps cuBLAS)
                 t0 = t_of(cfg0) if cfg0 is not None else t_ref
                 line = (f"{model:9s} {name:9s} M={M:<3d} N={N:<6d} K={K:<6d} cublas {t_ref:7.2f} us | table {t0:7.2f} us "
                         f"({t_ref / t0:4.2f}x) {tuple(cfg0) if cfg0 is not None else 'cuBLAS'} err {err:.1e} | "
@@ -199,6 +201,11 @@ def main() -> None:
                             continue
                         cfg = SkinnyLaunch(bn, bk, sp, 4, 3)
                         found.append((t_of(cfg), cfg))
+                    if M > 1:  # the TMA-loaded tiles (`SkinnyLaunch.tma`), 4 stages
+                        for bn, bk, sp in itertools.product((64, 128), (64, 128), (1, 2, 4)):
+                            if not (sp > 1 and K // sp < 2 * bk):
+                                cfg = SkinnyLaunch(bn, bk, sp, 4, 4, True)
+                                found.append((t_of(cfg), cfg))
                     found.sort()
                     for _, c in found[:2]:
                         for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5)):

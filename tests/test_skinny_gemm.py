@@ -38,6 +38,8 @@ SHAPES = [
     (5, 80, 160, None),  # tensor-core tiles, padding rows
     (17, 64, 768, SkinnyLaunch(16, 64, 4, 4, 2)),  # a 32-row tile, split-K
     (64, 48, 512, SkinnyLaunch(32, 128, 1, 4, 3)),  # a column tile past N
+    (5, 80, 160, SkinnyLaunch(64, 64, 1, 4, 2, True)),  # TMA tiles: padding rows, a column tile past N, K's end
+    (17, 64, 768, SkinnyLaunch(32, 128, 3, 4, 2, True)),  # TMA tiles, split-K
 ]
 # (the Triton interpreter's tl.dot misreads bfloat16 operands: bfloat16 tiles are checked on the GPU)
 CASES = [(device, dtype, *shape) for device in DEVICES for dtype in (torch.float16, torch.bfloat16)
@@ -297,6 +299,30 @@ def test_split_k_is_deterministic_and_rearms_its_tickets():
     assert not torch.equal(skinny_linear(x, w, None, launch=launch), first)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tma_tiles_load_by_descriptor_or_fall_back_to_plain_loads(device, monkeypatch):
+    """A TMA launch (`SkinnyLaunch.tma`) makes the weight and x descriptors and gives the plain-load launch's result to
+    the float32 sums' order; where the TMA unit cannot load a tile (an x that does not start on 16 bytes) it takes the
+    same tiles with plain loads: the same result, no descriptor. One row and the prologues never take it."""
+    made, real = [], skinny_gemm.TensorDescriptor.from_tensor
+    monkeypatch.setattr(skinny_gemm.TensorDescriptor, "from_tensor", lambda t, block: made.append(block) or real(t, block))
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    x, w, _ = _case(9, 40, 320, "swiglu", dtype, device, seed=11)
+    launch = SkinnyLaunch(32, 64, 2, 4, 2, True)
+    got = skinny_linear(x, w, launch=launch, swiglu=True)
+    assert made == [[32, 64], [16, 64]]  # (x's rows padded to a 16-row tile)
+    plain = skinny_linear(x, w, launch=launch._replace(tma=False), swiglu=True)
+    torch.testing.assert_close(got, plain, atol=2e-3, rtol=2e-3)
+    made.clear()
+    shifted = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view_as(x)  # 2 bytes past a 16-byte start
+    shifted.copy_(x)
+    assert skinny_gemm.supported(shifted, w)
+    torch.testing.assert_close(skinny_linear(shifted, w, launch=launch, swiglu=True), got, atol=2e-3, rtol=2e-3)
+    assert not made
+    skinny_linear(x[:1], w, launch=launch, swiglu=True)  # one row: vector products
+    assert not made
+
+
 def test_supported_refuses_what_the_kernel_does_not_take():
     w = torch.randn(32, 64, dtype=torch.float16)
     assert skinny_gemm.supported(torch.randn(4, 64, dtype=torch.float16), w)
@@ -316,16 +342,24 @@ def test_supported_refuses_what_the_kernel_does_not_take():
     (576, 1536, False, False), (960, 576, False, False), (576, 576, False, False),  # SmolLM2's down, q/k/v, o
     (768, 768, False, False), (3072, 768, False, False),  # GPT-2's attn_proj, c_fc
 ])
-def test_launch_table(n, k, swiglu, big):
-    """One row always takes the kernel; 2-64 rows of the 1B-8B layers stay on cuBLAS (measured no faster in
-    their decode steps), the small models' layers take it."""
+def test_launch_table(n, k, swiglu, big, monkeypatch):
+    """One row always takes the kernel; the small models' layers take its plain tiles at 2-64 rows; there the 1B-8B
+    layers take the TMA tiles where they measured faster than cuBLAS (every gate/up + SiLU, Llama-3-8B's down, split
+    in two) and stay on cuBLAS elsewhere, and all of them with ``ROSE_TMA_GEMM=0``."""
+    from rosecli.kernels import launch_table
+
     for rows in (1, 2, 7, 16, 33, 64):
         cfg = skinny_launch(rows, n, k, swiglu)
         if rows > 1 and big:
-            assert cfg is None
+            want = (SkinnyLaunch(64, 64, 1, 4, 4, True) if swiglu else SkinnyLaunch(64, 128, 2, 4, 6, True)
+                    if k >= 14336 else None)
+            assert cfg == want
             continue
         assert cfg is not None and cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0
         assert (cfg.block_n >= 16 and cfg.block_k >= 16) or rows == 1  # tensor-core tiles need 16
+        assert not cfg.tma
+    monkeypatch.setattr(launch_table, "TMA_GEMM", False)
+    assert all(skinny_launch(rows, n, k, swiglu) is None for rows in (2, 64)) == big
 
 
 def test_norm_fold_table():
@@ -368,8 +402,9 @@ def test_residual_statistics_table(monkeypatch):
         for rows in (2, 16, 64):
             cfg = stats_fold(rows, n, k, swiglu)
             assert cfg is not None and cfg.block_n >= 16 and cfg.block_k >= 16 and (cfg.split_k > 1) == (k >= 3072)
+    # ... nor for the 1B-8B layers at 2-64 rows, on cuBLAS or the TMA tiles (which write no statistics)
     assert all(stats_fold(64, n, k, sw) is None for n, k, sw in ((2048, 2048, False), (8192, 2048, True),
-                                                                  (2048, 8192, False)))
+                                                                  (2048, 8192, False), (4096, 14336, False)))
     # one row: the pair at the 1.5B-8B models' widths (measured faster), the whole-row fold at GPT-2's and SmolLM2's
     assert [stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096)] == [False, False, True, True, True]
     assert not launch_table.fold_copy(1) and launch_table.fold_copy(2)  # (one row: no copy of the weights)
@@ -489,6 +524,44 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
 
 
+@pytest.mark.parametrize("device,tokens", [("cpu", 5), pytest.param("cuda", 64, marks=pytest.mark.gpu)])
+def test_tma_gate_up_in_a_decode_step_matches_cublas(device, tokens, monkeypatch):
+    """A whole Llama decode step with its gate/up + SiLU on the TMA tiles (`launch_table.tma_launch`, given this tiny
+    model's layers as if they were the 1B-8B sizes it takes): the TMA launch ran, once a layer, and the logits are
+    cuBLAS's to fp16 rounding, with the same greedy token per row."""
+    from engine_utils import our_model, tiny_hf_model
+    from rosecli.engine.attention import AttentionMetadata
+    from rosecli.engine.models import common
+    from rosecli.kernels import launch_table
+
+    if device == "cpu":
+        monkeypatch.setattr(common, "_skinny_device", lambda x: True)
+    monkeypatch.setattr(launch_table, "SMALL_LAYER", 0)  # every layer past the plain tiles' size
+    model = our_model(tiny_hf_model("llama", seed=5)).to(device).half()
+    launches, real = [], skinny_gemm._launch
+    monkeypatch.setattr(skinny_gemm, "_launch", lambda *a, **kw: launches.append(a[4]) or real(*a, **kw))
+    ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
+
+    def logits():
+        g = torch.Generator().manual_seed(3)
+        for attn in model.attention_layers():
+            attn.k_cache = (torch.randn(tokens, attn.num_kv_heads, 16, attn.head_dim, generator=g) * 0.5).to(
+                device, torch.float16)
+            attn.v_cache = torch.randn(attn.k_cache.shape, generator=g).to(device, torch.float16)
+        rows = torch.arange(tokens, device=device)
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=rows * 16 + 2, block_tables=rows.to(torch.int32)[:, None],
+                                 context_lens=torch.full((tokens,), 3, dtype=torch.int32, device=device),
+                                 max_context_len=3, use_triton=True, fused_ops=True)
+        with torch.inference_mode():
+            return model.compute_logits(model(ids.to(device), torch.full((tokens,), 2, device=device), meta)).float()
+
+    on = logits()
+    assert [launch.tma for launch in launches] == [True] * len(model.attention_layers())  # (the rest on cuBLAS)
+    monkeypatch.setattr(common, "SKINNY_GEMM", False)
+    off = logits()
+    assert rel_err(on, off) < 2e-3 and same_greedy(on, off)
+
+
 MODEL_CASES = [pytest.param("cuda", kind, tokens, pair, marks=pytest.mark.gpu)
                for kind in ("gpt2", "llama", "qwen2") for tokens, pair in ((1, False), (1, True), (23, False))]
 MODEL_CASES += [("cpu", "gpt2", 1, False), ("cpu", "llama", 1, False), ("cpu", "gpt2", 5, False),
@@ -581,28 +654,40 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
 
 
 # the kernel's variants the decode steps launch: one row (vector products) and tensor-core tiles, each plain, with
-# the norm prologue, writing the stream's statistics (and the stream times the norm's scale), and reading them
+# the norm prologue, writing the stream's statistics (and the stream times the norm's scale), and reading them; and
+# the TMA-loaded tiles (`SkinnyLaunch.tma`), plain and the gate/up + SiLU, split-K
 _COMPILE_VARIANTS = """
 import sys
+import torch
 from triton import compile
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 from rosecli.kernels.skinny_gemm import _skinny_kernel as kernel
 
 failed = []
-for dot in (False, True):
-    for norm, from_stats, res_out, scaled in ((0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 1), (2, 1, 0, 0), (1, 1, 0, 0)):
+variants = [(dot, *v, False) for dot in (False, True)
+            for v in ((0, 0, 0, 0), (2, 0, 0, 0), (0, 0, 1, 1), (2, 1, 0, 0), (1, 1, 0, 0))]
+for dot, norm, from_stats, res_out, scaled, tma in variants + [(True, 0, 0, 0, 0, True), (True, 2, 0, 0, 0, True)]:
         swiglu = norm == 2 and not res_out
         consts = dict(BLOCK_M=16 if dot else 1, BLOCK_N=32 if dot else 4, BLOCK_K=128 if dot else 256, SPLIT_K=1,
                       USE_DOT=dot, HAS_BIAS=not swiglu, GELU=False, SWIGLU=swiglu, NORM=norm, HAS_XB=False,
                       HAS_RES=bool(norm) and not from_stats, HAS_NB=norm == 1, KV_STORE=False, KV_HEAD_DIM=1,
                       KV_BLOCK=1, NUM_STAGES=3, PDL=True, FROM_STATS=bool(from_stats), RES_OUT=res_out,
-                      STATS_PAD=32, SCALED_OUT=bool(scaled), ROPE=False, PF_LINES=64 if dot else 0, LINE=64)
+                      STATS_PAD=32, SCALED_OUT=bool(scaled), ROPE=False, PF_LINES=64 if dot else 0, LINE=64,
+                      TMA=tma, w_desc=None, x_desc=None)
         if not dot and not res_out and not swiglu:  # Llama's q/k/v at one row: K/V stored, q and k rotated
             consts.update(KV_STORE=True, KV_HEAD_DIM=64, KV_BLOCK=16, ROPE=True)
+        descs = {}
+        if tma:  # as `skinny_gemm._launch` makes them: [64, 64] weight tiles, [64, 64] x tiles, K in two splits
+            consts.update(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1 if swiglu else 2, NORM=0, PF_LINES=0)
+            del consts["w_desc"], consts["x_desc"]
+            t = torch.empty(128, 128, dtype=torch.float16)
+            descs = {n: mangle_type(TensorDescriptor.from_tensor(t, [64, 64])) for n in ("w_desc", "x_desc")}
         f32 = {"part_ptr", "st_ptr", "cos_ptr", "sin_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
-        sig = {n: "constexpr" if n in consts else "fp32" if n == "eps" else "i32" if not n.endswith("_ptr") else
-               "*i32" if n == "ticket_ptr" else "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32
+        sig = {n: descs.get(n) or "constexpr" if n in consts or n in descs else "fp32" if n == "eps" else
+               "i32" if not n.endswith("_ptr") else "*i32" if n == "ticket_ptr" else "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32
                else "*fp16" for n in kernel.arg_names}
         try:
             ptx = compile(ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}),
@@ -612,6 +697,8 @@ for dot in (False, True):
             continue
         if ("prefetch.global.L2" in ptx) != (consts["PF_LINES"] > 0):  # (not dropped as an unused result)
             failed.append(f"{consts}: {ptx.count('prefetch.global.L2')} L2 prefetches in the PTX")
+        if ("cp.async.bulk.tensor" in ptx) != tma:  # (the TMA unit's loads where asked for, and only there)
+            failed.append(f"{consts}: {ptx.count('cp.async.bulk.tensor')} TMA loads in the PTX")
 print("\\n".join(failed))
 sys.exit(1 if failed else 0)
 """

@@ -114,6 +114,7 @@ class SkinnyLaunch(NamedTuple):
     split_k: int      # programs sharing one tile's K (1: none; >1 adds the partials in one kernel)
     num_warps: int
     num_stages: int
+    tma: bool = False  # 2-64 rows: x's and W's tiles loaded by the TMA unit, W the product's wide side
 
 
 # Measured on the H100 (torch 2.11, triton 3.6) with `python scripts/bench_skinny.py --sweep`: each layer
@@ -123,8 +124,8 @@ class SkinnyLaunch(NamedTuple):
 # (256 below K=1024 or for the 16k-28k-row gate/up projections). 64 rows: tensor-core tiles won for the
 # small models' layers (1.07-1.27x). Alone, the 1B-8B shapes' fused gate/up + SiLU also won (1.07-1.13x),
 # but inside whole decode steps at 64 rows it measured 2% faster for Llama-3.2-1B, 1% slower for
-# Qwen2.5-1.5B and 3% slower for Llama-3-8B: they keep cuBLAS at 2-64 rows, as do their other layers
-# (-3..+6% of cuBLAS alone).
+# Qwen2.5-1.5B and 3% slower for Llama-3-8B: they kept cuBLAS at 2-64 rows, as did their other layers
+# (-3..+6% of cuBLAS alone), until the TMA-loaded tiles (`tma_launch`) beat it for some of them.
 SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows (x2 gate/up)
 # ... and only for the small models' widths: layers of at least this many inputs and outputs (Qwen2.5-1.5B's q/k/v
 # [2048, 1536] and o [1536, 1536], Llama-3.2-1B's o [2048, 2048], all within SMALL_LAYER) went back to cuBLAS.
@@ -143,7 +144,7 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
             return SkinnyLaunch(4, 256, 1, 4, 3)
         return SkinnyLaunch(4, 512 if k >= 1024 or k % 512 == 0 else 256, 1, 2, 4)
     if size > SMALL_LAYER or min(n, k) >= SMALL_LAYER_SIDE:
-        return None
+        return tma_launch(rows, n, k, swiglu)
     if swiglu:
         return SkinnyLaunch(16, 128, 1, 2, 3)
     if k >= 3072:
@@ -151,6 +152,33 @@ def skinny_launch(rows: int, n: int, k: int, swiglu: bool = False) -> "SkinnyLau
     if k >= 1536 and n <= 1024:
         return SkinnyLaunch(16, 256, 1, 4, 4)
     return SkinnyLaunch(32, 256, 1, 4, 3) if n >= 2048 else SkinnyLaunch(16, 128, 1, 4, 4)
+
+
+TMA_GEMM = os.environ.get("ROSE_TMA_GEMM", "1") != "0"  # (0: cuBLAS for every 1B-8B layer at 2-64 rows, as before)
+
+
+def tma_launch(rows: int, n: int, k: int, swiglu: bool) -> "SkinnyLaunch | None":
+    """The launch at 2-64 rows of a layer past the plain tensor-core tiles' sizes (`skinny_launch`): the tiles loaded
+    by the TMA unit (`SkinnyLaunch.tma`) where they beat cuBLAS, or None: cuBLAS.
+
+    Measured on an H200 (torch 2.11, triton 3.6). Each layer alone (`python scripts/bench_skinny.py --rows 4 16 64`,
+    us, cuBLAS with its SiLU kernel -> the TMA tiles): the gate/up + SiLU in 64-column, 64-wide K tiles, 4 stages:
+    Qwen2.5-1.5B 18.5 -> 16.0 (4 rows), 18.8 -> 16.4 (16), 20.8 -> 18.4 (64); Llama-3.2-1B 20.2 -> 19.2, 20.5 -> 19.4,
+    22.1 -> 21.5; Llama-3-8B 58.0 -> 58.2, 58.6 -> 59.0, 64.3 -> 61.4 (at 4-16 rows the SiLU kernel it saves is the
+    gain in the step). Llama-3-8B's down (K = 14336) in 128-wide K steps, split in two, 6 stages: 31.7 -> 30.5, 32.4
+    -> 30.8, 35.9 -> 33.6 (cuBLAS splits K too, then runs a reduce kernel). The other layers were as fast on cuBLAS
+    or faster: the 1B's and Qwen's down (the TMA tiles' best 15.2 and 13.7 us against 14.4 and 12.5 at 64 rows),
+    every q/k/v and o. Whole steps (`rose profile --decode-step --decode-batch-sizes 4,16,64`, ``ROSE_TMA_GEMM=0``
+    against 1, one call, us): Qwen2.5-1.5B 1,632.9 -> 1,537.0, 1,630.7 -> 1,529.4, 1,797.0 -> 1,708.0; Llama-3.1-8B
+    4,376.4 -> 4,230.3, 4,630.2 -> 4,435.7, 5,111.1 -> 4,935.1; Llama-3.2-1B 1,027.3 -> 991.6, 1,086.3 -> 1,043.5,
+    1,198.3 -> 1,171.9 (a second round of the 1B and Qwen within 3 us of these)."""
+    if not TMA_GEMM:
+        return None
+    if swiglu:
+        return SkinnyLaunch(64, 64, 1, 4, 4, True)
+    if k >= 14336:
+        return SkinnyLaunch(64, 128, 2, 4, 6, True)
+    return None
 
 
 def prefetch_lines(rows: int, rest: int, line: int) -> int:
@@ -226,7 +254,8 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
         if before:  # 1024-wide K steps; 4 warps at Llama-3-8B's width (4096 outputs), 2 below it
             return SkinnyLaunch(4, 1024, 1, 4 if n >= 4096 else 2, 3)
         return SkinnyLaunch(4, 512, 1, 2, 3)
-    if not 1 < rows <= 64 or skinny_launch(rows, n, k, swiglu) is None:
+    plain = skinny_launch(rows, n, k, swiglu) if 1 < rows <= 64 else None
+    if plain is None or plain.tma:  # (the TMA tiles take no statistics)
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)
 

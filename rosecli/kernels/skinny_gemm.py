@@ -9,7 +9,10 @@ follows its kernel count. Here each output tile is one program that streams its 
 (the weights are what a decode step reads) and applies the epilogue before the store:
 
 - one row (``M == 1``): vector products (no tensor cores), ``BLOCK_N`` output columns per program;
-- several rows: ``tl.dot`` on tiles of ``BLOCK_M`` rows (16 at least; padding rows are masked).
+- several rows: ``tl.dot`` on tiles of ``BLOCK_M`` rows (16 at least; padding rows are masked); for the 1B-8B
+  layers the launch table gives it (`launch_table.tma_launch`), the same tiles loaded by the TMA unit from
+  descriptors of W and x, with the weights as the product's wide side (`SkinnyLaunch.tma`, `_tma_product`).
+  ``ROSE_TMA_GEMM=0`` leaves those layers to cuBLAS.
 - ``SPLIT_K`` > 1 (few output columns, long rows): the programs of one tile each take a share of ``K``
   and write float32 partials; the last of them to finish (an atomic ticket) adds the partials in
   split order, so the result does not depend on which finished first, and re-arms the ticket.
@@ -40,6 +43,7 @@ reads with its own weights (`NormFold.scale`): no copy. ``ROSE_NORM_STATS=0`` ke
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from rosecli.kernels import activation
 from rosecli.kernels.activation import gelu_tanh, silu
@@ -178,16 +183,38 @@ def _unfold_norm(acc, mean, rstd, c_ptr, d_ptr, cols, cmask, NORM: tl.constexpr,
 
 
 @triton.jit
+def _tma_product(w_desc, x_desc, n0, m0, k_lo, k_hi, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    """(`SkinnyLaunch.tma`) The product's [BLOCK_M, BLOCK_N] tiles (and the up projection's, ``SWIGLU``) over K in
+    [k_lo, k_hi), the weight and x tiles loaded by the TMA unit (the descriptors zero what lies past the tensors: x's
+    padding rows, K's end), the weights as the wide side of the product (W x^T, transposed once at the end: 16-32 rows
+    are too few for the other side of a Hopper tensor-core product). No tile is loaded before the loop, as the plain
+    loads' first weight tile is (ahead of the wait on the kernel before): at 64 rows that took the gate/up + SiLU of
+    Qwen2.5-1.5B from 18.5 to 28.6 us (the loop's first wait then holds every stage's loads)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if PDL:  # launched early: x is read only once the kernel before has ended
+        gdc_wait()
+    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        x = x_desc.load([m0, k])
+        acc = tl.dot(w_desc.load([n0, k]), tl.trans(x), acc)
+        if SWIGLU:  # the up rows follow the N gate rows
+            acc_u = tl.dot(w_desc.load([N + n0, k]), tl.trans(x), acc_u)
+    return tl.trans(acc), tl.trans(acc_u)
+
+
+@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_ptr, g_ptr, nb_ptr, s_ptr,
-                   kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, pos_ptr, cos_ptr, sin_ptr, M, N, K, stride_xm, stride_wn,
-                   stride_ym, stride_rm, k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles, st_width, rope_stride,
+                   kc_ptr, vc_ptr, slot_ptr, st_ptr, sc_ptr, pos_ptr, cos_ptr, sin_ptr, w_desc, x_desc, M, N, K,
+                   stride_xm, stride_wn, stride_ym, stride_rm, k_per_split, eps, kv_first, kv_size, kv_heads, st_tiles,
+                   st_width, rope_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                    SWIGLU: tl.constexpr, NORM: tl.constexpr, HAS_XB: tl.constexpr, HAS_RES: tl.constexpr,
                    HAS_NB: tl.constexpr, KV_STORE: tl.constexpr, KV_HEAD_DIM: tl.constexpr,
                    KV_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, FROM_STATS: tl.constexpr,
                    RES_OUT: tl.constexpr, STATS_PAD: tl.constexpr, SCALED_OUT: tl.constexpr, ROPE: tl.constexpr,
-                   PF_LINES: tl.constexpr, LINE: tl.constexpr):
+                   PF_LINES: tl.constexpr, LINE: tl.constexpr, TMA: tl.constexpr):
     if PDL:  # the next kernel may launch now (it waits on the device for this one's end before its reads)
         gdc_launch_dependents()
     pid_n = tl.program_id(0)
@@ -206,71 +233,75 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     mmask = rm < M
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
-    up_off = N.to(tl.int64) * stride_wn  # SWIGLU: the up rows follow the N gate rows
-    x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
-    # USE_DOT: [BLOCK_M, BLOCK_N] tiles; one row: [BLOCK_N, BLOCK_K] products summed after the loop
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:  # (plain tensor-core tiles only: no prologue, no ROPE)
+        acc, acc_u = _tma_product(w_desc, x_desc, pid_n * BLOCK_N, pid_m * BLOCK_M, k_lo, k_hi, N, BLOCK_M, BLOCK_N,
+                                  BLOCK_K, SWIGLU, NUM_STAGES, PDL)
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # the first K tile of the weights, which no kernel before writes: with PDL, fetched while that kernel ends
-    kmask = (k_lo + rk) < k_hi
-    wmask = nmask[:, None] & kmask[None, :]
-    w = tl.load(w_ptrs, mask=wmask, other=0.0)
-    if SWIGLU:
-        wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
-    if PF_LINES > 0:  # (`pdl.l2_prefetch`) the rest of this program's weights, a line (LINE elements) at a time,
-        # asked for now: after the wait the loop reads them from L2 instead of waiting on memory
-        pk = tl.minimum(k_lo + BLOCK_K + tl.arange(0, PF_LINES) * LINE, k_hi - 1)
-        pw = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn + pk[None, :]
-        l2_prefetch(pw)
-        if SWIGLU:
-            l2_prefetch(pw + up_off)
-    if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
-        gdc_wait()
-    if FROM_STATS:  # x is the residual stream (with norm-folded weights) or the stream times the norm's scale (with
-        # the layer's own), as the GEMM before wrote it; its rows' statistics (written by that GEMM too) are
-        # loaded beside its first tile and combined in the epilogue
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD, NORM)
-    elif NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
-        # once for the statistics and the product; the first column tile's programs store the sum
-        sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)
-        sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
-        mean, rstd = _tile_stats(sv, rk, K, eps, NORM)
-        x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
-    else:
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-    if USE_DOT:
-        acc += tl.dot(x, tl.trans(w))
-        if SWIGLU:
-            acc_u += tl.dot(x, tl.trans(wu))
-    else:
-        acc += w.to(tl.float32) * x.to(tl.float32)
-        if SWIGLU:
-            acc_u += wu.to(tl.float32) * x.to(tl.float32)
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        kmask = (k + rk) < k_hi
-        wmask = nmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (whole-row NORM: no second tile)
-        w = tl.load(w_ptrs, mask=wmask, other=0.0)
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+        up_off = N.to(tl.int64) * stride_wn  # SWIGLU: the up rows follow the N gate rows
+        x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+        # USE_DOT: [BLOCK_M, BLOCK_N] tiles; one row: [BLOCK_N, BLOCK_K] products summed after the loop
         if USE_DOT:
-            acc += tl.dot(x, tl.trans(w))
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         else:
-            acc += w.to(tl.float32) * x.to(tl.float32)  # x: [1, BLOCK_K] broadcast over the rows of w
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        # the first K tile of the weights, which no kernel before writes: with PDL, fetched while that kernel ends
+        kmask = (k_lo + rk) < k_hi
+        wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_ptrs, mask=wmask, other=0.0)
         if SWIGLU:
             wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
-            if USE_DOT:
+        if PF_LINES > 0:  # (`pdl.l2_prefetch`) the rest of this program's weights, a line (LINE elements) at a time,
+            # asked for now: after the wait the loop reads them from L2 instead of waiting on memory
+            pk = tl.minimum(k_lo + BLOCK_K + tl.arange(0, PF_LINES) * LINE, k_hi - 1)
+            pw = w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn + pk[None, :]
+            l2_prefetch(pw)
+            if SWIGLU:
+                l2_prefetch(pw + up_off)
+        if PDL:  # launched early: x (the kernel before's output) is read only once that kernel has ended
+            gdc_wait()
+        if FROM_STATS:  # x is the residual stream (with norm-folded weights) or the stream times the norm's scale (with
+            # the layer's own), as the GEMM before wrote it; its rows' statistics (written by that GEMM too) are
+            # loaded beside its first tile and combined in the epilogue
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            st_a, st_b = _stats_load(st_ptr, rm, mmask, st_tiles, STATS_PAD, NORM)
+        elif NORM:  # the add_norm before, folded in: the whole rows are this one K tile (`_launch` makes sure), read
+            # once for the statistics and the product; the first column tile's programs store the sum
+            sum_rows = mmask & (tl.zeros_like(rm) + pid_n == 0)
+            sv = _norm_sum(x_ptr, xb_ptr, r_ptr, rm, rk, mmask, K, stride_xm, stride_rm, HAS_XB, HAS_RES)
+            mean, rstd = _tile_stats(sv, rk, K, eps, NORM)
+            x = _normed(sv, s_ptr, g_ptr, nb_ptr, rm, rk, kmask, sum_rows, K, mean, rstd, NORM, HAS_NB)
+        else:
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w))
+            if SWIGLU:
                 acc_u += tl.dot(x, tl.trans(wu))
-            else:
+        else:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+            if SWIGLU:
                 acc_u += wu.to(tl.float32) * x.to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            kmask = (k + rk) < k_hi
+            wmask = nmask[:, None] & kmask[None, :]
+            x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)  # (whole-row NORM: no second tile)
+            w = tl.load(w_ptrs, mask=wmask, other=0.0)
+            if USE_DOT:
+                acc += tl.dot(x, tl.trans(w))
+            else:
+                acc += w.to(tl.float32) * x.to(tl.float32)  # x: [1, BLOCK_K] broadcast over the rows of w
+            if SWIGLU:
+                wu = tl.load(w_ptrs + up_off, mask=wmask, other=0.0)
+                if USE_DOT:
+                    acc_u += tl.dot(x, tl.trans(wu))
+                else:
+                    acc_u += wu.to(tl.float32) * x.to(tl.float32)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N))
         acc_u = tl.reshape(tl.sum(acc_u, axis=1), (1, BLOCK_N))
@@ -360,6 +391,20 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
         buf = torch.zeros(max(tiles, 65536), dtype=torch.int32, device=device)
         _tickets[device] = buf
     return buf
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the TMA unit can load ``x``'s and ``weight``'s tiles (`SkinnyLaunch.tma`): a device of compute capability
+    9 or later (or the interpreter's CPU tensors), both start and row stride on 16 bytes. Else the launch takes the
+    same tiles with plain loads."""
+    if x.is_cuda and not _has_tma(x.device):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -530,7 +575,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         grid = grid[:2] + (1,)
     pdl = use_pdl(x.device, "skinny")  # (`kernels.pdl`)
     line = LINE_BYTES // weight.element_size()
-    pf_lines = prefetch_lines(M, k_per_split - cfg.block_k, line) if use_prefetch(x.device, "skinny") else 0
+    tma = (cfg.tma and use_dot and norm is None and stats is None and res_out is None and kv is None
+           and _tma_takes(x, weight))
+    pf_lines = (prefetch_lines(M, k_per_split - cfg.block_k, line)
+                if use_prefetch(x.device, "skinny") and not tma else 0)
+    descs = ((TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]),
+              TensorDescriptor.from_tensor(x, [block_m, cfg.block_k])) if tma else (None, None))
     if split > 1:
         part = torch.empty((2 * split if swiglu else split, M, N), dtype=torch.float32, device=x.device)
         ticket = _ticket_buffer(x.device, grid[0] * grid[1])
@@ -563,7 +613,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          n.x_bias if n.x_bias is not None else y, residual if residual is not None else y,
                          n.weight, n.bias if n.bias is not None else y, total if total is not None else y,
                          *((kv.k_cache, kv.v_cache, kv.slot_mapping) if kv is not None else (y, y, y)), st,
-                         scaled if scaled is not None else y, *(rope if rope is not None else (y, y, y)),
+                         scaled if scaled is not None else y, *(rope if rope is not None else (y, y, y)), *descs,
                          M, N, K, x.stride(0), weight.stride(0),
                          y.stride(0), residual.stride(0) if residual is not None else 0, k_per_split, n.eps,
                          N - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads, tiles, width,
@@ -577,7 +627,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                          FROM_STATS=stats is not None,
                          RES_OUT=0 if res_out is None else (RMS_NORM if res_out[1] else LAYER_NORM),
                          STATS_PAD=max(16, triton.next_power_of_2(tiles)), SCALED_OUT=scaled is not None,
-                         ROPE=rope is not None, PF_LINES=pf_lines, LINE=line, num_warps=cfg.num_warps,
+                         ROPE=rope is not None, PF_LINES=pf_lines, LINE=line, TMA=tma, num_warps=cfg.num_warps,
                          launch_pdl=pdl)
     if out_stats is not None:
         return y, out_stats

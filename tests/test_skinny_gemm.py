@@ -305,7 +305,8 @@ def test_tma_tiles_load_by_descriptor_or_fall_back_to_plain_loads(device, monkey
     the float32 sums' order; where the TMA unit cannot load a tile (an x that does not start on 16 bytes) it takes the
     same tiles with plain loads: the same result, no descriptor. One row and the prologues never take it."""
     made, real = [], skinny_gemm.TensorDescriptor.from_tensor
-    monkeypatch.setattr(skinny_gemm.TensorDescriptor, "from_tensor", lambda t, block: made.append(block) or real(t, block))
+    monkeypatch.setattr(skinny_gemm.TensorDescriptor, "from_tensor",
+                        lambda t, block: made.append(block) or real(t, block))
     dtype = torch.float16 if device == "cpu" else torch.bfloat16
     x, w, _ = _case(9, 40, 320, "swiglu", dtype, device, seed=11)
     launch = SkinnyLaunch(32, 64, 2, 4, 2, True)
@@ -524,13 +525,29 @@ def test_models_route_decode_rows_through_the_kernel(monkeypatch):
     assert common.fused_linear(qkv, torch.randn(6, 64, **half), False).shape == (6, 96) and not calls
 
 
+def _decode_step(model, tokens, prior, device):
+    """The attention metadata of a fused decode step of ``tokens`` sequences, one new token each after ``prior``
+    cached ones, with every layer's fp16 cache (one 16-slot block a sequence) filled with seeded random K and V."""
+    from rosecli.engine.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(3)
+    for attn in model.attention_layers():
+        attn.k_cache = (torch.randn(tokens, attn.num_kv_heads, 16, attn.head_dim, generator=g) * 0.5).to(
+            device, torch.float16)
+        attn.v_cache = torch.randn(attn.k_cache.shape, generator=g).to(device, torch.float16)
+    rows = torch.arange(tokens, device=device)
+    return AttentionMetadata(is_prefill=False, slot_mapping=rows * 16 + prior,
+                             block_tables=rows.to(torch.int32)[:, None],
+                             context_lens=torch.full((tokens,), prior + 1, dtype=torch.int32, device=device),
+                             max_context_len=prior + 1, use_triton=True, fused_ops=True)
+
+
 @pytest.mark.parametrize("device,tokens", [("cpu", 5), pytest.param("cuda", 64, marks=pytest.mark.gpu)])
 def test_tma_gate_up_in_a_decode_step_matches_cublas(device, tokens, monkeypatch):
     """A whole Llama decode step with its gate/up + SiLU on the TMA tiles (`launch_table.tma_launch`, given this tiny
     model's layers as if they were the 1B-8B sizes it takes): the TMA launch ran, once a layer, and the logits are
     cuBLAS's to fp16 rounding, with the same greedy token per row."""
     from engine_utils import our_model, tiny_hf_model
-    from rosecli.engine.attention import AttentionMetadata
     from rosecli.engine.models import common
     from rosecli.kernels import launch_table
 
@@ -543,15 +560,7 @@ def test_tma_gate_up_in_a_decode_step_matches_cublas(device, tokens, monkeypatch
     ids = torch.randint(2, 250, (tokens,), generator=torch.Generator().manual_seed(2))
 
     def logits():
-        g = torch.Generator().manual_seed(3)
-        for attn in model.attention_layers():
-            attn.k_cache = (torch.randn(tokens, attn.num_kv_heads, 16, attn.head_dim, generator=g) * 0.5).to(
-                device, torch.float16)
-            attn.v_cache = torch.randn(attn.k_cache.shape, generator=g).to(device, torch.float16)
-        rows = torch.arange(tokens, device=device)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=rows * 16 + 2, block_tables=rows.to(torch.int32)[:, None],
-                                 context_lens=torch.full((tokens,), 3, dtype=torch.int32, device=device),
-                                 max_context_len=3, use_triton=True, fused_ops=True)
+        meta = _decode_step(model, tokens, 2, device)
         with torch.inference_mode():
             return model.compute_logits(model(ids.to(device), torch.full((tokens,), 2, device=device), meta)).float()
 
@@ -579,7 +588,6 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
     cuBLAS, within fp16's rounding of Hugging Face's float32 ones, and the same greedy token per row; and,
     with two cached tokens before (so a K stored wrong moves the softmax), the same as on cuBLAS."""
     from engine_utils import our_model, tiny_hf_model
-    from rosecli.engine.attention import AttentionMetadata
     from rosecli.engine.models import common
 
     from rosecli.kernels import launch_table
@@ -608,16 +616,7 @@ def test_fp16_model_on_the_kernel_matches_cublas_and_hugging_face(device, kind, 
                         lambda *a, **kw: in_decode.append(kw.get("rope") is not None) or real_decode(*a, **kw))
 
     def logits(prior):  # a decode step: `tokens` sequences of one new token after `prior` cached ones
-        g = torch.Generator().manual_seed(3)
-        for attn in model.attention_layers():
-            attn.k_cache = (torch.randn(tokens, attn.num_kv_heads, 16, attn.head_dim, generator=g) * 0.5).to(
-                device, torch.float16)
-            attn.v_cache = torch.randn(attn.k_cache.shape, generator=g).to(device, torch.float16)
-        rows = torch.arange(tokens, device=device)
-        meta = AttentionMetadata(is_prefill=False, slot_mapping=rows * 16 + prior,
-                                 block_tables=rows.to(torch.int32)[:, None],
-                                 context_lens=torch.full((tokens,), prior + 1, dtype=torch.int32, device=device),
-                                 max_context_len=prior + 1, use_triton=True, fused_ops=True)
+        meta = _decode_step(model, tokens, prior, device)
         with torch.inference_mode():
             hidden = model(ids.to(device), torch.full((tokens,), prior, device=device), meta)
             out = model.compute_logits(hidden)  # (and the decode graph's logits GEMM: the kernel's at one row)
@@ -687,8 +686,8 @@ for dot, norm, from_stats, res_out, scaled, tma in variants + [(True, 0, 0, 0, 0
             descs = {n: mangle_type(TensorDescriptor.from_tensor(t, [64, 64])) for n in ("w_desc", "x_desc")}
         f32 = {"part_ptr", "st_ptr", "cos_ptr", "sin_ptr"} | ({"g_ptr", "nb_ptr"} if from_stats else set())
         sig = {n: descs.get(n) or "constexpr" if n in consts or n in descs else "fp32" if n == "eps" else
-               "i32" if not n.endswith("_ptr") else "*i32" if n == "ticket_ptr" else "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32
-               else "*fp16" for n in kernel.arg_names}
+               "i32" if not n.endswith("_ptr") else "*i32" if n == "ticket_ptr" else
+               "*i64" if n in ("slot_ptr", "pos_ptr") else "*fp32" if n in f32 else "*fp16" for n in kernel.arg_names}
         try:
             ptx = compile(ASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in consts.items()}),
                           target=GPUTarget("cuda", 90, 32)).asm["ptx"]

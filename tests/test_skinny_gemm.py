@@ -303,7 +303,7 @@ def test_split_k_is_deterministic_and_rearms_its_tickets():
 def test_tma_tiles_load_by_descriptor_or_fall_back_to_plain_loads(device, monkeypatch):
     """A TMA launch (`SkinnyLaunch.tma`) makes the weight and x descriptors and gives the plain-load launch's result to
     the float32 sums' order; where the TMA unit cannot load a tile (an x that does not start on 16 bytes) it takes the
-    same tiles with plain loads: the same result, no descriptor. One row and the prologues never take it."""
+    same tiles with plain loads: the same result, no descriptor. One row (vector products) never takes it."""
     made, real = [], skinny_gemm.TensorDescriptor.from_tensor
     monkeypatch.setattr(skinny_gemm.TensorDescriptor, "from_tensor",
                         lambda t, block: made.append(block) or real(t, block))

@@ -345,22 +345,39 @@ def test_supported_refuses_what_the_kernel_does_not_take():
 ])
 def test_launch_table(n, k, swiglu, big, monkeypatch):
     """One row always takes the kernel; the small models' layers take its plain tiles at 2-64 rows; there the 1B-8B
-    layers take the TMA tiles where they measured faster than cuBLAS (every gate/up + SiLU, Llama-3-8B's down, split
-    in two) and stay on cuBLAS elsewhere, and all of them with ``ROSE_TMA_GEMM=0``."""
+    layers take the TMA tiles (measured faster than cuBLAS inside whole steps): the gate/up + SiLU in 64-wide K steps,
+    the rest in 128-wide ones, a down projection split so about 128 programs run, q/k/v and o split at most in two
+    and not at 33-64 rows; all of them go back to cuBLAS with ``ROSE_TMA_GEMM=0``."""
     from rosecli.kernels import launch_table
 
     for rows in (1, 2, 7, 16, 33, 64):
         cfg = skinny_launch(rows, n, k, swiglu)
         if rows > 1 and big:
-            want = (SkinnyLaunch(64, 64, 1, 4, 4, True) if swiglu else SkinnyLaunch(64, 128, 2, 4, 6, True)
-                    if k >= 14336 else None)
-            assert cfg == want
+            assert cfg.tma and cfg.block_n == 64 and cfg.block_k == (64 if swiglu else 128)
+            if swiglu:
+                assert cfg == SkinnyLaunch(64, 64, 1, 4, 4, True)
+            elif k >= 3 * n:  # 24-64 column tiles: 2-4 splits
+                assert 96 <= cfg.split_k * n // 64 <= 128
+            else:
+                assert cfg.split_k <= (1 if rows > 32 else 2) and cfg.num_stages == 6
             continue
         assert cfg is not None and cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0
         assert (cfg.block_n >= 16 and cfg.block_k >= 16) or rows == 1  # tensor-core tiles need 16
         assert not cfg.tma
     monkeypatch.setattr(launch_table, "TMA_GEMM", False)
     assert all(skinny_launch(rows, n, k, swiglu) is None for rows in (2, 64)) == big
+
+
+def test_tma_launches_the_sweep_measured():
+    """The launches the H200 sweep found best (`launch_table.tma_launch`), and the rule for a shape it did not
+    measure (Llama-3.2-3B's o, 48 column tiles)."""
+    tma = lambda *f: SkinnyLaunch(*f, True)  # noqa: E731
+    assert [skinny_launch(r, 2048, 1536) for r in (8, 24, 64)] == [tma(64, 128, 2, 4, 6)] + [tma(64, 128, 1, 4, 6)] * 2
+    assert [skinny_launch(r, 2048, 2048) for r in (16, 32, 40)] == [tma(64, 128, 2, 4, 6)] * 2 + [tma(64, 128, 1, 4, 6)]
+    assert skinny_launch(16, 3072, 2048) == skinny_launch(16, 6144, 4096) == tma(64, 128, 1, 4, 6)
+    assert [skinny_launch(r, 1536, 8960) for r in (16, 64)] == [tma(64, 128, 4, 4, 4), tma(64, 128, 4, 8, 4)]
+    assert skinny_launch(64, 4096, 14336) == skinny_launch(4, 4096, 14336) == tma(64, 128, 2, 4, 6)
+    assert [skinny_launch(r, 3072, 3072) for r in (16, 24)] == [tma(64, 128, 2, 4, 6), tma(64, 128, 1, 4, 6)]
 
 
 def test_norm_fold_table():
@@ -403,7 +420,7 @@ def test_residual_statistics_table(monkeypatch):
         for rows in (2, 16, 64):
             cfg = stats_fold(rows, n, k, swiglu)
             assert cfg is not None and cfg.block_n >= 16 and cfg.block_k >= 16 and (cfg.split_k > 1) == (k >= 3072)
-    # ... nor for the 1B-8B layers at 2-64 rows, on cuBLAS or the TMA tiles (which write no statistics)
+    # ... nor for the 1B-8B layers at 2-64 rows, on the TMA tiles (which write no statistics)
     assert all(stats_fold(64, n, k, sw) is None for n, k, sw in ((2048, 2048, False), (8192, 2048, True),
                                                                   (2048, 8192, False), (4096, 14336, False)))
     # one row: the pair at the 1.5B-8B models' widths (measured faster), the whole-row fold at GPT-2's and SmolLM2's
@@ -543,10 +560,10 @@ def _decode_step(model, tokens, prior, device):
 
 
 @pytest.mark.parametrize("device,tokens", [("cpu", 5), pytest.param("cuda", 64, marks=pytest.mark.gpu)])
-def test_tma_gate_up_in_a_decode_step_matches_cublas(device, tokens, monkeypatch):
-    """A whole Llama decode step with its gate/up + SiLU on the TMA tiles (`launch_table.tma_launch`, given this tiny
-    model's layers as if they were the 1B-8B sizes it takes): the TMA launch ran, once a layer, and the logits are
-    cuBLAS's to fp16 rounding, with the same greedy token per row."""
+def test_tma_tiles_in_a_decode_step_match_cublas(device, tokens, monkeypatch):
+    """A whole Llama decode step with its linear layers (q/k/v, o, gate/up + SiLU, down) on the TMA tiles
+    (`launch_table.tma_launch`, given this tiny model's layers as if they were the 1B-8B sizes it takes): the TMA
+    launches ran, four a layer, and the logits are cuBLAS's to fp16 rounding, with the same greedy token per row."""
     from engine_utils import our_model, tiny_hf_model
     from rosecli.engine.models import common
     from rosecli.kernels import launch_table
@@ -565,10 +582,15 @@ def test_tma_gate_up_in_a_decode_step_matches_cublas(device, tokens, monkeypatch
             return model.compute_logits(model(ids.to(device), torch.full((tokens,), 2, device=device), meta)).float()
 
     on = logits()
-    assert [launch.tma for launch in launches] == [True] * len(model.attention_layers())  # (the rest on cuBLAS)
+    assert [launch.tma for launch in launches] == [True] * 4 * len(model.attention_layers())
     monkeypatch.setattr(common, "SKINNY_GEMM", False)
     off = logits()
     assert rel_err(on, off) < 2e-3 and same_greedy(on, off)
+    # a GPU without the TMA unit (or the shared memory of the 6-stage tiles) keeps cuBLAS for these layers
+    monkeypatch.setattr(common, "SKINNY_GEMM", True)
+    monkeypatch.setattr(skinny_gemm, "tma_device", lambda device: False)
+    launches.clear()
+    assert torch.equal(logits(), off) and not launches
 
 
 MODEL_CASES = [pytest.param("cuda", kind, tokens, pair, marks=pytest.mark.gpu)

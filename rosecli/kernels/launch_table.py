@@ -125,7 +125,7 @@ class SkinnyLaunch(NamedTuple):
 # small models' layers (1.07-1.27x). Alone, the 1B-8B shapes' fused gate/up + SiLU also won (1.07-1.13x),
 # but inside whole decode steps at 64 rows it measured 2% faster for Llama-3.2-1B, 1% slower for
 # Qwen2.5-1.5B and 3% slower for Llama-3-8B: they kept cuBLAS at 2-64 rows, as did their other layers
-# (-3..+6% of cuBLAS alone), until the TMA-loaded tiles (`tma_launch`) beat it for some of them.
+# (-3..+6% of cuBLAS alone), until the TMA-loaded tiles (`tma_launch`) beat it inside whole steps for every one of them.
 SMALL_LAYER = 4 << 20  # weight elements up to which the tensor-core tiles beat cuBLAS at 2-64 rows (x2 gate/up)
 # ... and only for the small models' widths: layers of at least this many inputs and outputs (Qwen2.5-1.5B's q/k/v
 # [2048, 1536] and o [1536, 1536], Llama-3.2-1B's o [2048, 2048], all within SMALL_LAYER) went back to cuBLAS.
@@ -159,26 +159,44 @@ TMA_GEMM = os.environ.get("ROSE_TMA_GEMM", "1") != "0"  # (0: cuBLAS for every 1
 
 def tma_launch(rows: int, n: int, k: int, swiglu: bool) -> "SkinnyLaunch | None":
     """The launch at 2-64 rows of a layer past the plain tensor-core tiles' sizes (`skinny_launch`): the tiles loaded
-    by the TMA unit (`SkinnyLaunch.tma`) where they beat cuBLAS, or None: cuBLAS.
+    by the TMA unit (`SkinnyLaunch.tma`), or None (cuBLAS) with ``ROSE_TMA_GEMM=0``.
 
-    Measured on an H200 (torch 2.11, triton 3.6). Each layer alone (`python scripts/bench_skinny.py --rows 4 16 64`,
-    us, cuBLAS with its SiLU kernel -> the TMA tiles): the gate/up + SiLU in 64-column, 64-wide K tiles, 4 stages:
+    Measured on an H200 (torch 2.11, triton 3.6). The gate/up + SiLU in 64-column, 64-wide K tiles, 4 stages, each
+    layer alone (`python scripts/bench_skinny.py --rows 4 16 64`, us, cuBLAS with its SiLU kernel -> the TMA tiles):
     Qwen2.5-1.5B 18.5 -> 16.0 (4 rows), 18.8 -> 16.4 (16), 20.8 -> 18.4 (64); Llama-3.2-1B 20.2 -> 19.2, 20.5 -> 19.4,
     22.1 -> 21.5; Llama-3-8B 58.0 -> 58.2, 58.6 -> 59.0, 64.3 -> 61.4 (at 4-16 rows the SiLU kernel it saves is the
-    gain in the step). Llama-3-8B's down (K = 14336) in 128-wide K steps, split in two, 6 stages: 31.7 -> 30.5, 32.4
-    -> 30.8, 35.9 -> 33.6 (cuBLAS splits K too, then runs a reduce kernel). The other layers were as fast on cuBLAS
-    or faster: the 1B's and Qwen's down (the TMA tiles' best 15.2 and 13.7 us against 14.4 and 12.5 at 64 rows),
-    every q/k/v and o. Whole steps (`rose profile --decode-step --decode-batch-sizes 4,16,64`, ``ROSE_TMA_GEMM=0``
+    gain in the step); whole steps (`rose profile --decode-step --decode-batch-sizes 4,16,64`, ``ROSE_TMA_GEMM=0``
     against 1, one call, us): Qwen2.5-1.5B 1,632.9 -> 1,537.0, 1,630.7 -> 1,529.4, 1,797.0 -> 1,708.0; Llama-3.1-8B
     4,376.4 -> 4,230.3, 4,630.2 -> 4,435.7, 5,111.1 -> 4,935.1; Llama-3.2-1B 1,027.3 -> 991.6, 1,086.3 -> 1,043.5,
-    1,198.3 -> 1,171.9 (a second round of the 1B and Qwen within 3 us of these)."""
+    1,198.3 -> 1,171.9.
+    The other layers (q/k/v, o, down) in 128-wide K steps: a sweep of the TMA launches at 16, 32 and 64 rows (each
+    layer alone, against cuBLAS: 1.01-1.21x, except Qwen's down at 64 rows, 0.97x) found 64 columns and 4 warps with
+    6 stages best for every q/k/v and o, split in two at 16 rows (and at 32 for the 1B's and 8B's o, `TMA_SPLITS`)
+    where that leaves at most 64 column tiles; the down projections (K at least 3x the outputs) split so about 128
+    programs run (4 for the 1B's and Qwen's, 2 for the 8B's), 4 stages with 8 warps at 33-64 rows where split in 4.
+    Whole steps with them (`rose profile --decode-step --decode-batch-sizes 16,32,64`, the engine before against
+    these, one call, us): Qwen2.5-1.5B 1,529.7 -> 1,415.6, 1,605.0 -> 1,476.1, 1,724.2 -> 1,630.1; Llama-3.2-1B
+    1,045.9 -> 964.6, 1,100.4 -> 1,027.9, 1,182.2 -> 1,136.8; Llama-3.1-8B 4,454.8 -> 4,245.2, 4,634.7 -> 4,426.4,
+    4,938.1 -> 4,844.2."""
     if not TMA_GEMM:
         return None
     if swiglu:
         return SkinnyLaunch(64, 64, 1, 4, 4, True)
-    if k >= 14336:
-        return SkinnyLaunch(64, 128, 2, 4, 6, True)
-    return None
+    tiles = -(-n // 64)
+    if k >= 3 * n:  # a down projection: split K so about 128 programs run
+        split = max(1, min(4, 1 << ((128 // tiles).bit_length() - 1)))
+        return SkinnyLaunch(64, 128, split, 8 if split >= 4 and rows > 32 else 4, 4 if split >= 4 else 6, True)
+    bucket = 0 if rows <= 16 else 1 if rows <= 32 else 2
+    measured = TMA_SPLITS.get((n, k))
+    split = measured[bucket] if measured is not None else 2 if bucket == 0 and tiles <= 64 else 1
+    return SkinnyLaunch(64, 128, split, 4, 6, True)
+
+
+# The K splits of the q/k/v and o layers the sweep measured, at 2-16, 17-32 and 33-64 rows; other shapes take
+# `tma_launch`'s rule (two at 2-16 rows for at most 64 column tiles, else one).
+TMA_SPLITS = {(2048, 1536): (2, 1, 1), (1536, 1536): (2, 1, 1),  # Qwen2.5-1.5B q/k/v, o
+              (3072, 2048): (1, 1, 1), (2048, 2048): (2, 2, 1),  # Llama-3.2-1B
+              (6144, 4096): (1, 1, 1), (4096, 4096): (2, 2, 1)}  # Llama-3-8B
 
 
 def prefetch_lines(rows: int, rest: int, line: int) -> int:

@@ -10,8 +10,8 @@ follows its kernel count. Here each output tile is one program that streams its 
 
 - one row (``M == 1``): vector products (no tensor cores), ``BLOCK_N`` output columns per program;
 - several rows: ``tl.dot`` on tiles of ``BLOCK_M`` rows (16 at least; padding rows are masked); for the 1B-8B
-  layers the launch table gives it (`launch_table.tma_launch`), the same tiles loaded by the TMA unit from
-  descriptors of W and x, with the weights as the product's wide side (`SkinnyLaunch.tma`, `_tma_product`).
+  layers (`launch_table.tma_launch`, on a `tma_device`), the same tiles loaded by the TMA unit from descriptors of
+  W and x, with the weights as the product's wide side (`SkinnyLaunch.tma`, `_tma_product`).
   ``ROSE_TMA_GEMM=0`` leaves those layers to cuBLAS.
 - ``SPLIT_K`` > 1 (few output columns, long rows): the programs of one tile each take a share of ``K``
   and write float32 partials; the last of them to finish (an atomic ticket) adds the partials in
@@ -394,15 +394,17 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_tma(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
+def tma_device(device: torch.device) -> bool:
+    """Whether ``device`` takes the launch table's TMA launches (`SkinnyLaunch.tma`): compute capability 9.x or 10.x
+    (Hopper, the data-centre Blackwells: a TMA unit, and 227 KB of shared memory a program, which the table's 6-stage
+    tiles at 64 rows need, 192 KB), or the interpreter's CPU. Elsewhere the models keep cuBLAS for those layers."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def _tma_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the TMA unit can load ``x``'s and ``weight``'s tiles (`SkinnyLaunch.tma`): a device of compute capability
-    9 or later (or the interpreter's CPU tensors), both start and row stride on 16 bytes. Else the launch takes the
-    same tiles with plain loads."""
-    if x.is_cuda and not _has_tma(x.device):
+    """Whether the TMA unit can load ``x``'s and ``weight``'s tiles (`SkinnyLaunch.tma`): a `tma_device`, both start
+    and row stride on 16 bytes. Else the launch takes the same tiles with plain loads."""
+    if not tma_device(x.device):
         return False
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in (x, weight))
 

@@ -8,7 +8,8 @@ sweep, in `launch_table.SkinnyLaunch` form.
 
     python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
 
-At 2-64 rows the sweep also tries the TMA-loaded tiles (`SkinnyLaunch.tma`, the last field of a launch).
+At 2-64 rows the sweep also tries the TMA-loaded tiles (`SkinnyLaunch.tma`, the last field of a launch); ``--tma``
+sweeps those only (64/128 columns, 64/128-wide K steps, split 1-6, then 2-8 warps and 2-6 stages for the best two).
 
 ``--pairs`` times instead each add_norm between two of a model's layers, as the decode graphs run it without
 the pair: at 2-64 rows the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after; at one row the
@@ -155,6 +156,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="also search launch configs")
     ap.add_argument("--pairs", action="store_true", help="the add_norm between two layers (see above)")
+    ap.add_argument("--tma", action="store_true", help="at 2-64 rows, sweep the TMA-loaded tiles' launches only")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -192,23 +194,23 @@ def main() -> None:
                 line = (f"{model:9s} {name:9s} M={M:<3d} N={N:<6d} K={K:<6d} cublas {t_ref:7.2f} us | table {t0:7.2f} us "
                         f"({t_ref / t0:4.2f}x) {tuple(cfg0) if cfg0 is not None else 'cuBLAS'} err {err:.1e} | "
                         f"floor {N * K * 2 / 3.05e6:6.2f} us")
-                if a.sweep:
+                if a.sweep or (a.tma and M > 1):
                     bns = (4, 8, 16, 32) if M == 1 else (16, 32, 64)
                     bks = (128, 256, 512) if M == 1 else (64, 128, 256)
                     found = []
-                    for bn, bk, sp in itertools.product(bns, bks, (1, 2, 4, 8)):
+                    for bn, bk, sp in itertools.product(bns, bks, (1, 2, 4, 8)) if not a.tma else ():
                         if sp > 1 and K // sp < bk:
                             continue
                         cfg = SkinnyLaunch(bn, bk, sp, 4, 3)
                         found.append((t_of(cfg), cfg))
                     if M > 1:  # the TMA-loaded tiles (`SkinnyLaunch.tma`), 4 stages
-                        for bn, bk, sp in itertools.product((64, 128), (64, 128), (1, 2, 4)):
+                        for bn, bk, sp in itertools.product((64, 128), (64, 128), (1, 2, 4, 6)):
                             if not (sp > 1 and K // sp < 2 * bk):
                                 cfg = SkinnyLaunch(bn, bk, sp, 4, 4, True)
                                 found.append((t_of(cfg), cfg))
                     found.sort()
                     for _, c in found[:2]:
-                        for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5)):
+                        for nw, ns in itertools.product((2, 4, 8), (2, 3, 4, 5, 6)):
                             cfg = c._replace(num_warps=nw, num_stages=ns)
                             found.append((t_of(cfg), cfg))
                     found.sort()

@@ -174,10 +174,11 @@ def tma_launch(rows: int, n: int, k: int, swiglu: bool) -> "SkinnyLaunch | None"
     6 stages best for every q/k/v and o, split in two at 16 rows (and at 32 for the 1B's and 8B's o, `TMA_SPLITS`)
     where that leaves at most 64 column tiles; the down projections (K at least 3x the outputs) split so about 128
     programs run (4 for the 1B's and Qwen's, 2 for the 8B's), 4 stages with 8 warps at 33-64 rows where split in 4.
-    Whole steps with them (`rose profile --decode-step --decode-batch-sizes 16,32,64`, the engine before against
-    these, one call, us): Qwen2.5-1.5B 1,529.7 -> 1,415.6, 1,605.0 -> 1,476.1, 1,724.2 -> 1,630.1; Llama-3.2-1B
-    1,045.9 -> 964.6, 1,100.4 -> 1,027.9, 1,182.2 -> 1,136.8; Llama-3.1-8B 4,454.8 -> 4,245.2, 4,634.7 -> 4,426.4,
-    4,938.1 -> 4,844.2."""
+    Whole steps with them (`rose profile --decode-step --decode-batch-sizes 4,16,32,64`, the engine before against
+    these launches, one call, us): Qwen2.5-1.5B 1,572.1 -> 1,396.5, 1,547.6 -> 1,434.3, 1,612.6 -> 1,491.1, 1,722.9
+    -> 1,643.5; Llama-3.2-1B 1,004.5 -> 929.1, 1,057.3 -> 978.5, 1,111.1 -> 1,041.9, 1,183.8 -> 1,146.0; Llama-3.1-8B
+    4,339.7 -> 4,208.3, 4,539.5 -> 4,355.9, 4,726.1 -> 4,517.3, 5,076.3 -> 4,984.0 (the 1B and Qwen twice,
+    alternating, within 7 us)."""
     if not TMA_GEMM:
         return None
     if swiglu:

@@ -401,6 +401,13 @@ def tma_device(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
+def table_launch(x: torch.Tensor, n: int, swiglu: bool = False) -> Optional[SkinnyLaunch]:
+    """`launch_table.skinny_launch` for ``x``'s rows times an [n, K] weight (a [2n, K] gate/up with ``swiglu``) on
+    ``x``'s device, or None (cuBLAS): also where the table gives the TMA tiles and the device is not a `tma_device`."""
+    launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
+    return None if launch is None or (launch.tma and not tma_device(x.device)) else launch
+
+
 def _tma_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the TMA unit can load ``x``'s and ``weight``'s tiles (`SkinnyLaunch.tma`): a `tma_device`, both start
     and row stride on 16 bytes. Else the launch takes the same tiles with plain loads."""
@@ -562,7 +569,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
         if cfg.block_k < K or cfg.split_k != 1:
             raise ValueError(f"the norm prologue needs the whole K ({K}) in one tile, unsplit; got {cfg}")
     else:
-        cfg = launch or skinny_launch(M, N, K, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
+        cfg = launch or table_launch(x, N, swiglu) or SkinnyLaunch(16, 128, 1, 4, 3)
     rope = kv.rope if kv is not None else None
     if rope is not None and cfg.block_n < 2:
         cfg = cfg._replace(block_n=2)  # (rotation pairs: at least one pair per program; block_n is a power of two)

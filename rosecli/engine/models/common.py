@@ -176,10 +176,8 @@ def _skinny(linear: nn.Module, x: torch.Tensor, fused: bool, bias: bool = False,
         fold = _norm_fold(norm, linear, fold_copy(x.shape[0]))
         return skinny_gemm.skinny_stats_norm_linear(x, stats, fold, b, gelu, launch, swiglu, kv)
     if norm is None:
-        launch = skinny_launch(x.shape[0], n, x.shape[1], swiglu)
-        if launch is None or (launch.tma and not skinny_gemm.tma_device(x.device)):  # (measured on Hopper only)
-            return None
-        return skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
+        launch = skinny_gemm.table_launch(x, n, swiglu)
+        return None if launch is None else skinny_gemm.skinny_linear(x, linear.weight, b, gelu, launch, swiglu, kv)
     launch = fold_norm(x.shape[0], n, x.shape[1]) if NORM_FOLD else None
     if launch is None or not _norm_foldable(norm, x, residual):
         return None

@@ -36,19 +36,24 @@ def add_norm_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
 def _add_norm_kernel(x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, D, eps, x_stride, r_stride,
                      HAS_XB: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, RMS: tl.constexpr,
                      BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, a linear layer's, fetches its weights meanwhile)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    # the parameters, which no kernel writes, before the wait: a kernel launched early has them when the one before ends
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_XB:
+        xb = tl.load(xb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        nb = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, a linear layer's, fetches its weights meanwhile)
     s = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_XB:
-        s = s + tl.load(xb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        s = s + xb
     if HAS_RES:
         s = s + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)
     s = s.to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * D + cols, s, mask=mask)
     s = s.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if RMS:
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / D + eps)
         y = (s * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
@@ -58,7 +63,7 @@ def _add_norm_kernel(x_ptr, xb_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, D, ep
         rstd = tl.rsqrt(tl.sum(d * d, axis=0) / D + eps)
         y = d * rstd * w
         if HAS_BIAS:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y + nb
     tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -121,7 +121,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    TILE: tl.constexpr, SPLIT: tl.constexpr, HEAD_MAJOR: tl.constexpr, USE_DOT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    pdl_begin(PDL)  # (`kernels.pdl`: the next kernel, the merge or the output projection's, may launch now)
+    # Before the wait (`kernels.pdl`) only what no kernel of the step writes, which a kernel launched early then has
+    # in registers when the kernel before it ends: the sequence's length, position and slot (copied by the host
+    # before the step) and the rotary tables
     b, kvh, s = _program_coords(HEAD_MAJOR)
     ctx = tl.load(context_lens_ptr + b)
     if HAS_WINDOW:  # the first token attended: tiles wholly before it are not read
@@ -136,10 +138,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_le
         pos = tl.maximum(tl.load(pos_ptr + b).to(tl.int64), 0)
         rc = tl.load(cos_ptr + pos * rope_stride + d).to(tl.float32)
         rs = tl.load(sin_ptr + pos * rope_stride + d).to(tl.float32)
-    if STORE:  # this step's K and V (the sequence's last token) into its cache slot first, as `store_kv` would, by
-        # the program whose tiles hold that token; its loads below then read them back (after the barrier)
+    if STORE:
         last = d * 0 + ctx - 1  # (in vectors: the interpreter takes no mask made of scalars)
         slot = tl.load(slot_ptr + b + d * 0).to(tl.int64)  # (a padding row's slot is negative)
+    pdl_begin(PDL)  # (the next kernel, the merge or the output projection's, may launch now)
+    if STORE:  # this step's K and V (the sequence's last token) into its cache slot first, as `store_kv` would, by
+        # the program whose tiles hold that token; its loads below then read them back (after the barrier)
         own = (slot >= 0) & (last >= 0) & ((last // TILE - lo // TILE) % num_splits == s)
         dst = (((slot // BLOCK_SIZE) * kv_heads + kvh) * BLOCK_SIZE + slot % BLOCK_SIZE) * HEAD_DIM + d
         kn = tl.load(kn_ptr + b * kn_stride + kvh * HEAD_DIM + d, mask=own)

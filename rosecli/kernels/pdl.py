@@ -9,9 +9,11 @@ kernel that is not launched this way (cuBLAS, torch's) is ordered as usual.
 
 The rule every kernel here keeps: with PDL on, nothing that a kernel before it writes is read, and
 nothing that a kernel before it reads is written, before ``gdc_wait`` returns. `pdl_begin` waits
-first. What no kernel writes may be read before it: the skinny GEMM fetches its first weight tile, `add_norm`
-its weight and biases, and decode attention each sequence's length, position and slot (copied by the host before
-the step) and the rotary tables; a kernel launched early then has them when the kernel before ends.
+first. What no kernel writes may be read before it: the skinny GEMM fetches its first weight tile and its
+epilogue's bias, norm scale, rows' positions (with their rotary table entries) and cache slots, `add_norm` its
+weight and biases, and decode attention each sequence's length, position and slot and the rotary tables (the
+sequences' inputs are copied by the host before the step); a kernel launched early then has them when the kernel
+before ends.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
 ``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax), for A/B

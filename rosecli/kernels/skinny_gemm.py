@@ -234,18 +234,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     out_mask = mmask[:, None] & nmask[None, :]
-    # The epilogue's operands that no kernel writes, read before the wait (`kernels.pdl`): the bias, the next norm's
-    # scale, and the rows' positions (with their rotary tables' entries) and cache slots, which the host copied
-    # before the step. A kernel launched early then has them when the kernel before ends, not after its own loop.
+    # Epilogue operands that no kernel writes, read before the wait (`kernels.pdl`): the bias, and the rows' positions
+    # and cache slots, which the host copied before the step. A kernel launched early then has them when the kernel
+    # before ends, not after its own loop. Not the rotary tables' entries (a load that waits on the position's, which
+    # put the first weight tile behind a round trip: Llama-3.1-8B's one-row step 2% slower) nor the next norm's scale
+    # (Llama-3.1-8B's 4-warp one-row GEMM then fit 3 programs on an SM instead of 2, its step 5% slower).
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    if SCALED_OUT:
-        scale = tl.load(g_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     if ROPE:
         pos = tl.load(pos_ptr + rm, mask=mmask, other=0).to(tl.int64)
-        at = pos[:, None] * rope_stride + (rn % KV_HEAD_DIM)[None, :]
-        rope_c = tl.load(cos_ptr + at, mask=out_mask, other=0.0).to(tl.float32)  # (float32 whatever the tables')
-        rope_s = tl.load(sin_ptr + at, mask=out_mask, other=0.0).to(tl.float32)
     if KV_STORE:
         slot = tl.load(slot_ptr + rm, mask=mmask, other=-1).to(tl.int64)  # a negative slot stores nothing
     if TMA:  # (plain tensor-core tiles only: no prologue, no ROPE)
@@ -356,7 +353,8 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
         count = tl.minimum(N - pid_n * BLOCK_N, BLOCK_N).to(tl.float32)
         _store_partials(st_ptr, y, rm, rn, store_rows, nmask, pid_n, tl.num_programs(0), count, RES_OUT)
         if SCALED_OUT:  # also the sum times the next norm's scale (g_ptr), the next GEMM's input: [M, N]
-            tl.store(sc_ptr + rm[:, None] * N + rn[None, :], (y * scale[None, :]).to(dt), mask=out_mask)
+            g = tl.load(g_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+            tl.store(sc_ptr + rm[:, None] * N + rn[None, :], (y * g[None, :]).to(dt), mask=out_mask)
     else:
         if HAS_BIAS:
             if GELU:
@@ -370,9 +368,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
             y = silu(y).to(dt).to(tl.float32) * acc_u.to(dt).to(tl.float32)
         if ROPE:  # q and k rotated as `rotary.rotary_kv` rotates them in the GEMM's rounded output: each pair's two
             # columns swapped for the partner term, the full-width tables read at each column's place in its head
+            at = pos[:, None] * rope_stride + (rn % KV_HEAD_DIM)[None, :]
+            c = tl.load(cos_ptr + at, mask=out_mask, other=0.0).to(tl.float32)  # (float32 whatever the tables')
+            s = tl.load(sin_ptr + at, mask=out_mask, other=0.0).to(tl.float32)
             first, second = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
             partner = tl.reshape(tl.join(second, first), (BLOCK_M, BLOCK_N))
-            y = tl.where(rot[None, :], rotate_pair(y, partner, rope_c, rope_s).to(dt).to(tl.float32), y)
+            y = tl.where(rot[None, :], rotate_pair(y, partner, c, s).to(dt).to(tl.float32), y)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], y.to(dt), mask=out_mask)
     if KV_STORE:  # columns kv_first.. are K then V: also into their cache slots (`store_kv.store_kv_cache`)
         c = rn - kv_first

@@ -7,13 +7,13 @@ its writes are visible. Inside a CUDA graph that hides the launch gap between tw
 our kernels calls ``gdc_launch_dependents`` as it starts, so the next one can be scheduled early; a
 kernel that is not launched this way (cuBLAS, torch's) is ordered as usual.
 
-The rule every kernel here keeps: with PDL on, nothing that a kernel before it writes is read, and
-nothing that a kernel before it reads is written, before ``gdc_wait`` returns. `pdl_begin` waits
-first. What no kernel writes may be read before it: the skinny GEMM fetches its first weight tile and its
-epilogue's bias and rows' positions and cache slots (not the rotary tables' entries nor the next norm's scale: both
-measured slower, `_skinny_kernel`), `add_norm` its weight and biases, and decode attention each sequence's length, position and slot and the rotary tables (the
-sequences' inputs are copied by the host before the step); a kernel launched early then has them when the kernel
-before ends.
+The rule every kernel here keeps: with PDL on, nothing that a kernel before it writes is read, and nothing that a
+kernel before it reads is written, before ``gdc_wait`` returns. `pdl_begin` waits first. What no kernel writes may
+be read before it: the skinny GEMM fetches its first weight tile and its epilogue's bias and rows' positions and
+cache slots (not the rotary tables' entries nor the next norm's scale: both measured slower, `_skinny_kernel`),
+`add_norm` its weight and biases, and decode attention each sequence's length, position and slot and the rotary
+tables (the sequences' inputs are copied by the host before the step); a kernel launched early then has them when
+the kernel before ends.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
 ``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax), for A/B

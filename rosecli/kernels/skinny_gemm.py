@@ -237,8 +237,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     # Epilogue operands that no kernel writes, read before the wait (`kernels.pdl`): the bias, and the rows' positions
     # and cache slots, which the host copied before the step. A kernel launched early then has them when the kernel
     # before ends, not after its own loop. Not the rotary tables' entries (a load that waits on the position's, which
-    # put the first weight tile behind a round trip: Llama-3.1-8B's one-row step 2% slower) nor the next norm's scale
-    # (Llama-3.1-8B's 4-warp one-row GEMM then fit 3 programs on an SM instead of 2, its step 5% slower).
+    # put the wait and x's loads behind a round trip: Llama-3.1-8B's one-row step 2% slower) nor the next norm's scale
+    # (Llama-3.1-8B's one-row step 5% slower; compiled on the CPU, its 4-warp GEMM before each norm then fits 3
+    # programs on an SM instead of 2).
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
     if ROPE:

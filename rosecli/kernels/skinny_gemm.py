@@ -233,7 +233,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     mmask = rm < M
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    out_mask = mmask[:, None] & nmask[None, :]
     # Epilogue operands that no kernel writes, read before the wait (`kernels.pdl`): the bias, and the rows' positions
     # and cache slots, which the host copied before the step. A kernel launched early then has them when the kernel
     # before ends, not after its own loop. Not the rotary tables' entries (a load that waits on the position's, which
@@ -318,6 +317,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, ticket_ptr, xb_ptr, r_p
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N))
         acc_u = tl.reshape(tl.sum(acc_u, axis=1), (1, BLOCK_N))
+    out_mask = mmask[:, None] & nmask[None, :]
     store_rows = mmask  # (RES_OUT: the rows whose statistics this program writes)
     if SPLIT_K > 1:
         # float32 partials [SPLIT_K (x2 with SWIGLU), M, N]; the tile's last program adds them in split order

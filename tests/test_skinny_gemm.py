@@ -430,9 +430,12 @@ def test_residual_statistics_table(monkeypatch):
     assert not any(stats_pair(1, w) for w in (576, 768, 1536, 2048, 4096))
     assert all(stats_pair(rows, w) for rows in (2, 64) for w in (576, 4096)) and not stats_pair(65, 768)
     assert stats_fold(1, 3072, 2048) is not None and stats_fold(1, 8192, 2048, True) is not None
-    # one row, 3 stages: the GEMM after the norm in 512-wide K steps; the one before in 1024-wide steps, with 4 warps
-    # at Llama-3-8B's width (its o and down) and 2 below it (Llama-3.2-1B's and Qwen2.5-1.5B's down, K >= 4096 too)
-    assert stats_fold(1, 6144, 4096) == SkinnyLaunch(4, 512, 1, 2, 3)
+    # one row, 3 stages: the GEMM after the norm in 512-wide K steps, with 2 warps but for Qwen2.5-1.5B's gate/up
+    # (K = 1536: 4); the one before in 1024-wide steps, with 4 warps at Llama-3-8B's width (its o and down) and 2 below
+    # it (Llama-3.2-1B's and Qwen2.5-1.5B's down, K >= 4096 too)
+    assert stats_fold(1, 6144, 4096) == stats_fold(1, 2048, 1536) == SkinnyLaunch(4, 512, 1, 2, 3)
+    assert stats_fold(1, 8192, 2048, True) == stats_fold(1, 14336, 4096, True) == SkinnyLaunch(4, 512, 1, 2, 3)
+    assert stats_fold(1, 8960, 1536, True) == SkinnyLaunch(4, 512, 1, 4, 3)
     assert stats_fold(1, 4096, 14336, before=True) == stats_fold(1, 4096, 4096, before=True) == SkinnyLaunch(
         4, 1024, 1, 4, 3)
     assert stats_fold(1, 2048, 8192, before=True) == stats_fold(1, 1536, 1536, before=True) == SkinnyLaunch(

@@ -247,8 +247,8 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
     norm, which reads the raw sum with the norm folded into its weights (`skinny_gemm.skinny_stats_norm_linear`),
     in place of the add_norm kernel between them; None: keep add_norm (a shape the table leaves to cuBLAS).
     At one row, for the widths `stats_pair` gives it (elsewhere `fold_norm`), a one-row launch with 3 stages: the GEMM
-    after the norm in 512-wide K steps with 2 warps, the one ``before`` it in 1024-wide steps with 4 warps at 4096
-    outputs (Llama-3-8B's width) and 2 below.
+    after the norm in 512-wide K steps with 2 warps (4 for a gate/up + SiLU of K <= 1536, Qwen2.5-1.5B's), the one
+    ``before`` it in 1024-wide steps with 4 warps at 4096 outputs (Llama-3-8B's width) and 2 below.
 
     Measured on the H100. A sweep of each GPT-2 / SmolLM2-135M pair at 64 rows (weights in L2) found 32-column,
     128-wide K tiles with 4 stages best or within 0.3 us of it for all eight kernels; the plain table's 2-warp
@@ -268,11 +268,19 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
     (`rose profile --decode-step --decode-batch-sizes 1`, the engine before against this rule, alternating, one call,
     us): Llama-3.2-1B 868.8 / 868.4 -> 818.0 / 817.6, Qwen2.5-1.5B 1,330.6 / 1,330.5 -> 1,203.0 / 1,202.3,
     Llama-3.1-8B 3,918.4 -> 3,851.5; 4 warps wherever K >= 4096 with the wider steps measured 831.0 (1B) and 1,225.7
-    (Qwen), and 2 warps in 512-wide steps 859 (1B) and 1,356 (Qwen, slower than before)."""
+    (Qwen), and 2 warps in 512-wide steps 859 (1B) and 1,356 (Qwen, slower than before).
+    Later, on an H200, each of the one-row launches varied inside whole steps (`rose profile --decode-step
+    --decode-batch-sizes 1`, one call, the table's launches run first and last, us): Llama-3.2-1B 786.6 / 786.7,
+    Qwen2.5-1.5B 1,161.2 / 1,161.5 with the table's; the gate/up + SiLU with 4 warps 828.8 and 1,147.7 (Qwen's three
+    512-wide K steps), in 8 columns with 4 warps 832.8 and 1,190.0, in 8 columns of 256-wide steps 831.2 and
+    1,242.5; the q/k/v in 8 columns with 4 warps 808.2 and 1,183.2, in 256-wide steps with 4 stages 825.0 and
+    1,176.9; the GEMM before the norm in 8 columns of 512-wide steps with 4 warps 854.5 and 1,314.8. So only Qwen's
+    gate/up (K = 1536) takes 4 warps: in the next call, the engine before against this rule, alternating, 1,160.7 /
+    1,160.2 -> 1,150.3 / 1,149.4 us (-0.9%; 59.8% -> 60.4% of the floor)."""
     if rows == 1:  # (whether one row takes the pair at all is `stats_pair`'s to say)
         if before:  # 1024-wide K steps; 4 warps at Llama-3-8B's width (4096 outputs), 2 below it
             return SkinnyLaunch(4, 1024, 1, 4 if n >= 4096 else 2, 3)
-        return SkinnyLaunch(4, 512, 1, 2, 3)
+        return SkinnyLaunch(4, 512, 1, 4 if swiglu and k <= 1536 else 2, 3)
     plain = skinny_launch(rows, n, k, swiglu) if 1 < rows <= 64 else None
     if plain is None or plain.tma:  # (the TMA tiles take no statistics)
         return None

@@ -282,7 +282,8 @@ def stats_fold(rows: int, n: int, k: int, swiglu: bool = False, before: bool = F
             return SkinnyLaunch(4, 1024, 1, 4 if n >= 4096 else 2, 3)
         return SkinnyLaunch(4, 512, 1, 4 if swiglu and k <= 1536 else 2, 3)
     plain = skinny_launch(rows, n, k, swiglu) if 1 < rows <= 64 else None
-    if plain is None or plain.tma:  # (the TMA tiles take no statistics)
+    if plain is None or plain.tma:  # (the TMA tiles keep the add_norm kernel: the statistics in their epilogues
+        # measured slower at 2-64 rows, docs/performance.md)
         return None
     return SkinnyLaunch(32, 128, 4 if k >= 3072 else 1, 4, 4)
 

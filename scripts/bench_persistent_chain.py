@@ -18,12 +18,15 @@ Variants: the counter polled with an atomic read-modify-write or a plain `ld.acq
 apart (STRIDE), a nanosleep back-off (SLEEP), the tile's weights asked for in L2 while it waits (PF_LINES), static
 items (STATIC: program p takes items p, p + P, ...; one atomic a program, for the launch's number; it deadlocks
 unless every program is resident, so the timings use it only at 4 programs a SM of 2 warps and 512-wide K steps,
-where it ran), and a control with no waits at all (NODEP: every layer reads x), the chain's streaming rate alone.
+where it ran), a control with no waits at all (NODEP: every layer reads x), the chain's streaming rate alone, and
+`_chain_db_kernel`, which holds the next ticket's whole tile in registers while it waits on the current one.
 
 Result on an H200 (docs/performance.md, "Tried and not kept: one persistent launch for a chain of one-row layers"):
-every persistent variant was slower than one launch a layer, 0.25-0.84x, and the control without waits was slower
-still: the cost is the persistent programs' own streaming (each item's loads issued after the last item's sum), not
-the counters.
+no persistent form beat one launch a layer (0.67-0.96x for each chain's best), and the control without waits
+streamed the square chains only 1.18-1.19x faster than one launch a layer (the 1B's MLP shapes 0.80x), which bounds
+what any counter scheme could gain. Each layer's k and offsets are rounded to multiples of 16 in the kernels so
+Triton can prove the rows 16-byte aligned: without that it loaded the weights two bytes at a time, which the first
+measurements of this script took for the persistent form's own cost.
 
     python scripts/bench_persistent_chain.py             # on a GPU: the timings
     python scripts/bench_persistent_chain.py --check     # on any machine (TRITON_INTERPRET=1 on a CPU): correctness
@@ -71,9 +74,11 @@ def _chain_kernel(x_ptr, w_ptr, y_ptr, ticket_ptr, done_ptr, meta_ptr, lof_ptr, 
         l = tl.load(lof_ptr + local)  # (each item's layer, from a table: no search)
         t0 = tl.load(meta_ptr + l * 5)
         n = tl.load(meta_ptr + l * 5 + 1)
-        k = tl.load(meta_ptr + l * 5 + 2)
-        w_off = tl.load(meta_ptr + l * 5 + 3)
-        y_off = tl.load(meta_ptr + l * 5 + 4)
+        # (k and the offsets rounded to multiples of 16, as every n and k is: Triton then knows the rows 16-byte
+        # aligned and loads 16 bytes at a time, as the skinny kernel does with its K argument; else 2 bytes)
+        k = tl.load(meta_ptr + l * 5 + 2) // 16 * 16
+        w_off = tl.load(meta_ptr + l * 5 + 3) // 16 * 16
+        y_off = tl.load(meta_ptr + l * 5 + 4) // 16 * 16
         rn = (local - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < n
         w_ptrs = w_ptr + w_off + rn[:, None].to(tl.int64) * k + rk[None, :]
@@ -96,7 +101,7 @@ def _chain_kernel(x_ptr, w_ptr, y_ptr, ticket_ptr, done_ptr, meta_ptr, lof_ptr, 
                     tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP}; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                               is_pure=False, pack=1)
                 seen = _counter(cptr, POLL)
-            in_ptrs = y_ptr + tl.load(meta_ptr + (l - 1) * 5 + 4) + rk
+            in_ptrs = y_ptr + tl.load(meta_ptr + (l - 1) * 5 + 4) // 16 * 16 + rk
         else:
             in_ptrs = x_ptr + rk
         tl.debug_barrier()  # (every thread past the wait before any reads the layer before's output)
@@ -120,15 +125,72 @@ def _chain_kernel(x_ptr, w_ptr, y_ptr, ticket_ptr, done_ptr, meta_ptr, lof_ptr, 
             i = tl.atomic_add(ticket_ptr, 1)
 
 
+@triton.jit
+def _item(w_ptr, meta_ptr, lof_ptr, i, span, items, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Ticket ``i``'s whole weight tile (zeros past the launch's items) and its layer, first tile, n, k."""
+    local = i % span
+    l = tl.load(lof_ptr + tl.minimum(local, items - 1))
+    t0 = tl.load(meta_ptr + l * 5)
+    n = tl.load(meta_ptr + l * 5 + 1)
+    k = tl.load(meta_ptr + l * 5 + 2) // 16 * 16  # (multiples of 16: see `_chain_kernel`)
+    w_off = tl.load(meta_ptr + l * 5 + 3) // 16 * 16
+    rn = (local - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + w_off + rn[:, None].to(tl.int64) * k + rk[None, :],
+                mask=(rn < tl.where(local < items, n, 0))[:, None] & (rk < k)[None, :], other=0.0)  # (past the
+    # items: nothing)
+    return w, l, t0, n, k
+
+
+@triton.jit
+def _chain_db_kernel(x_ptr, w_ptr, y_ptr, ticket_ptr, done_ptr, meta_ptr, lof_ptr, items, P,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDE: tl.constexpr = 16,
+                     NODEP: tl.constexpr = 0, POLL: tl.constexpr = 1):
+    """The chain with its loads across items: a program holds the next ticket's whole weight tile (BLOCK_K >= every
+    layer's k), asked for before it waits on the current one's layer before, so a program's loads are in flight
+    while it waits and sums. Taking the next ticket early keeps it free of deadlock: the smallest unfinished ticket
+    is always the one a program is working on."""
+    span = items + P
+    rk = tl.arange(0, BLOCK_K)
+    i = tl.atomic_add(ticket_ptr, 1)
+    w, l, t0, n, k = _item(w_ptr, meta_ptr, lof_ptr, i, span, items, BLOCK_N, BLOCK_K)
+    while i % span < items:
+        i_next = tl.atomic_add(ticket_ptr, 1)
+        w_next, l_next, t0_next, n_next, k_next = _item(w_ptr, meta_ptr, lof_ptr, i_next, span, items, BLOCK_N,
+                                                        BLOCK_K)
+        epoch = i // span
+        if NODEP:
+            in_ptrs = x_ptr + rk
+        elif l > 0:
+            target = (epoch + 1) * (t0 - tl.load(meta_ptr + (l - 1) * 5))
+            cptr = done_ptr + (l - 1) * STRIDE
+            seen = _counter(cptr, POLL)
+            while seen < target:
+                seen = _counter(cptr, POLL)
+            in_ptrs = y_ptr + tl.load(meta_ptr + (l - 1) * 5 + 4) // 16 * 16 + rk
+        else:
+            in_ptrs = x_ptr + rk
+        tl.debug_barrier()
+        x = tl.load(in_ptrs, mask=rk < k, other=0.0, cache_modifier=".cg")
+        y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        rn = (i % span - t0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_off = tl.load(meta_ptr + l * 5 + 4) // 16 * 16
+        tl.store(y_ptr + y_off + rn, y.to(y_ptr.dtype.element_ty), mask=rn < n)
+        tl.debug_barrier()
+        tl.atomic_add(done_ptr + l * STRIDE, 1, sem="release")
+        i, w, l, t0, n, k = i_next, w_next, l_next, t0_next, n_next, k_next
+
+
 class Chain:
     """A chain of one-row linear layers, ``shapes`` [(n, k)] with k of each the n of the one before, weights
     ``ws`` (each [n, k], one dtype), run as one persistent launch of ``programs`` programs."""
 
     def __init__(self, ws, programs: int, block_n: int = 4, block_k: int = 512, num_warps: int = 2,
                  num_stages: int = 3, pf_lines: int = 0, sleep_ns: int = 0, poll: int = 0, stride: int = 1,
-                 static: int = 0, nodep: int = 0):
+                 static: int = 0, nodep: int = 0, db: bool = False):
         dev, dt = ws[0].device, ws[0].dtype
         assert all(w.shape[1] == p.shape[0] for p, w in zip(ws, ws[1:]))
+        assert all(w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0 for w in ws), "the kernels' alignment hints"
         self.w = torch.cat([w.reshape(-1) for w in ws])
         self.y = torch.empty(sum(w.shape[0] for w in ws), device=dev, dtype=dt)
         rows, tile, w_off, y_off = [], 0, 0, 0
@@ -148,8 +210,16 @@ class Chain:
                         PF_LINES=pf_lines, LINE=128 // ws[0].element_size(), SLEEP=sleep_ns, POLL=poll,
                         STRIDE=stride, STATIC=static, NODEP=nodep)
         self.outs = [self.y[r[4]:r[4] + r[1]] for r in rows[:-1]]
+        self.db = db
+        if db:  # (the whole row of every layer in one tile)
+            self.cfg = dict(BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(max(w.shape[1] for w in ws)),
+                            STRIDE=stride, NODEP=nodep, POLL=poll, num_warps=num_warps)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.db:
+            _chain_db_kernel[(self.programs,)](x, self.w, self.y, self.ticket, self.done, self.meta, self.lof,
+                                               self.items, self.programs, **self.cfg)
+            return self.outs[-1]
         _chain_kernel[(self.programs,)](x, self.w, self.y, self.ticket, self.done, self.meta, self.lof,
                                         self.layers, self.items, self.programs, **self.cfg)
         return self.outs[-1]
@@ -170,11 +240,12 @@ def check() -> int:
     not under the interpreter, where programs run one after another)."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
-    shapes = [(96, 64), (64, 96), (200, 64), (64, 200)]
+    shapes = [(96, 64), (64, 96), (208, 64), (64, 208)]
     ws = [(torch.randn(n, k, generator=g) / k ** 0.5).half().to(dev) for n, k in shapes]
-    variants = [dict()]
+    variants = [dict(), dict(db=True)]
     if dev.type == "cuda":
-        variants += [dict(poll=1), dict(poll=1, stride=16), dict(poll=1, stride=16, static=1)]
+        variants += [dict(poll=1), dict(poll=1, stride=16), dict(poll=1, stride=16, static=1),
+                     dict(db=True, poll=1, stride=16)]
     bad = 0
     for v in variants:
         chain = Chain(ws, programs=3, block_n=4, block_k=64, **v)
@@ -244,13 +315,17 @@ def bench(layers: int) -> None:
         best = dict(poll=1, stride=16, static=1, pf_lines=pf, sleep_ns=100)
         xbig = torch.randn(kmax, device=dev, dtype=torch.bfloat16)
         dyn = dict(poll=1, stride=16, pf_lines=pf, sleep_ns=100)  # (static items deadlock unless every program
-        # is resident: only at the launch measured resident, 4 a SM of 2 warps and 512-wide K)
+        # is resident: only at the launch measured resident, 4 a SM of 2 warps and 512-wide K; `db` takes tickets)
         print(line, flush=True)
         line = ""
-        for per_sm, bk, nw, bn, v in ((4, 512, 2, 4, dict()), (4, 512, 2, 4, best),
-                                      (4, 512, 2, 4, dict(best, nodep=1)), (4, 512, 2, 4, dict(nodep=1)),
+        dbw = max(4, min(16, triton.next_power_of_2(kmax) // 512))  # (warps for a whole row: 4 x 512 a warp)
+        for per_sm, bk, nw, bn, v in ((4, 512, 2, 4, dict()), (4, 512, 2, 4, best), (4, 512, 2, 4, dyn),
                                       (4, 1024, 4, 4, dyn), (4, 1024, 4, 4, dict(dyn, nodep=1)),
-                                      (4, 2048, 4, 4, dyn), (4, 2048, 4, 4, dict(dyn, nodep=1))):
+                                      (1, 0, dbw, 4, dict(db=True, poll=1, stride=16)),
+                                      (2, 0, dbw, 4, dict(db=True, poll=1, stride=16)),
+                                      (4, 0, dbw, 4, dict(db=True, poll=1, stride=16)),
+                                      (2, 0, dbw // 2, 4, dict(db=True, poll=1, stride=16)),
+                                      (2, 0, dbw, 4, dict(db=True, poll=1, stride=16, nodep=1))):
             chain = Chain(ws, programs=sms * per_sm, block_n=bn, block_k=bk, num_warps=nw, **v)
             xin = xbig if v.get("nodep") else x
             t = graph_us(lambda: chain(xin))

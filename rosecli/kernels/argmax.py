@@ -44,7 +44,11 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stri
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    if (chunk + 1) * CHUNK <= n_cols:  # a whole chunk, read without the mask: 16-byte loads whatever n_cols is
+        # (with it, a width not a multiple of 16, GPT-2's 50,257, made every load 2 bytes)
+        x = tl.load(x_ptr + row * row_stride + cols).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
     if MASKED:  # a grammar's packed token bitmask: a token whose bit is 0 is -inf (NaN included)
         words = tl.load(bits_ptr + row * bits_stride + cols // 32, mask=mask, other=0)
         x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))

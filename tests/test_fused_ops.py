@@ -234,6 +234,33 @@ def test_llama_family_greedy_output_unchanged_by_the_fused_rotary(kind, monkeypa
             assert [s.output_token_ids for s in sched.run_to_completion(prompts, params)] == want, on
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_decode_steps_gather_their_ids_and_embeddings_in_one_kernel_and_stay_greedy(kind, monkeypatch):
+    """With CUDA-graph decode's paths and the overlap schedule on (interpreted), each decode step takes its rows'
+    ids from the token pool and their embeddings (GPT-2: and positions') in `gather_embed`, the ids being those
+    the argmax wrote into the pool the step before (the host has not read them yet): the continuations of a batch
+    of three are transformers' greedy ones."""
+    from engine_utils import hf_greedy, tiny_hf_model
+    from rosecli.engine import runner
+    from rosecli.engine.config import SamplingParams
+    from rosecli.kernels.embed import gather_embed
+
+    hf = tiny_hf_model(kind, seed=5)
+    prompts = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 6, 4)]
+    want = [hf_greedy(hf, p, 5) for p in prompts]
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape[0])
+        return gather_embed(*args)
+
+    monkeypatch.setattr(runner, "gather_embed", counted)
+    sched = _paths_scheduler(hf, paged_attn=True, cuda_graph=True, overlap_schedule=True)
+    params = SamplingParams(max_new_tokens=5, stop_on_eos=False)
+    assert [s.output_token_ids for s in sched.run_to_completion(prompts, params)] == want
+    assert len(calls) >= 4 and max(calls) >= 2  # every decode step, some with several rows
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_llama_family_logits_and_cache_unchanged_by_the_fused_rotary(kind, monkeypatch):
     """A prefill of 7 tokens and a decode step (with a padding row) on the Triton paths: logits and every

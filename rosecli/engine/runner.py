@@ -37,6 +37,7 @@ from rosecli.engine.sequence import PENDING, Sequence
 from rosecli.engine.stages import Stages
 from rosecli.engine.step_plan import StepPlan
 from rosecli.kernels.argmax import argmax as split_argmax, logits_argmax
+from rosecli.kernels.embed import gather_embed
 
 CPU_DEFAULT_KV_TOKENS = 8192
 
@@ -466,16 +467,25 @@ class ModelRunner:
         if not meta.use_triton and getattr(self.model, "native_decode", lambda: None)() is None:
             meta = with_decode_gather(meta, self.block_size, self.model.num_kv_heads, self.dtype)
         d = self.dev_staging
-        input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
-        hidden = self.model(input_ids, d.positions[:batch], meta)
+        tables = getattr(self.model, "decode_embeddings", lambda: None)() if self.use_triton else None
+        if tables is not None:  # one kernel: each row's id (last step's sample or the host's) and its embeddings
+            pos = d.positions[:batch]
+            embedded = gather_embed(d.tokens, d.src[:batch], tables[0], pos if tables[1] is not None else None,
+                                    tables[1])
+            hidden = self.model(None, pos, meta, embedded=embedded)
+        else:
+            input_ids = d.tokens.index_select(0, d.src[:batch])  # last step's samples or the host's ids
+            hidden = self.model(input_ids, d.positions[:batch], meta)
         gemm = getattr(self.model, "logits_gemm", None) if self.use_graphs else None
         raw = gemm(hidden, meta.fused_ops) if gemm is not None else None
-        if raw is not None:  # in the decode graph: one pass makes the float32 logits and the greedy argmax
-            logits, greedy = logits_argmax(raw, self.model.vocab_size, store_flag=self._store_logits)
+        if raw is not None:  # in the decode graph: one pass makes the float32 logits and the greedy argmax, which
+            # its last kernel also writes into the next step's inputs (if every row is greedy)
+            logits, greedy = logits_argmax(raw, self.model.vocab_size, store_flag=self._store_logits,
+                                           copy_to=d.tokens[:batch])
         else:
             logits = self.model.compute_logits(hidden)
             greedy = split_argmax(logits) if self.use_graphs else logits.argmax(dim=-1)
-        d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
+            d.tokens[:batch].copy_(greedy)  # the next step's inputs, if every row is greedy
         return logits, greedy, raw
 
     def _next_buffers(self) -> int:

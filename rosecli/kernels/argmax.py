@@ -69,7 +69,8 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stri
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, copy_ptr, n_chunks, BLOCK: tl.constexpr, COPY: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -81,7 +82,10 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, n_chunks, BLOCK: tl.constexp
     first_nan = tl.min(tl.where(nan, i, none), 0)  # chunks are in column order: the lowest index wins
     m = tl.max(tl.where(nan, float("-inf"), v), 0)
     first_max = tl.min(tl.where((v == m) & mask, i, none), 0)
-    tl.store(out_ptr + row, tl.where(first_nan < none, first_nan, first_max).to(tl.int64))
+    ids = tl.where(first_nan < none, first_nan, first_max).to(tl.int64)
+    tl.store(out_ptr + row, ids)
+    if COPY:  # (a second home for the ids: the decode step's token pool, `logits_argmax`'s ``copy_to``)
+        tl.store(copy_ptr + row, ids)
 
 
 def chunk_for(rows: int, n_cols: int) -> int:
@@ -96,7 +100,8 @@ def chunk_for(rows: int, n_cols: int) -> int:
 
 def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
                   out: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None,
-                  ids: Optional[torch.Tensor] = None, store_flag: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  ids: Optional[torch.Tensor] = None, store_flag: Optional[torch.Tensor] = None,
+                  copy_to: Optional[torch.Tensor] = None) -> torch.Tensor:
     rows, width = x.shape
     n_cols = width if n_cols is None else n_cols
     if not 0 < n_cols <= width:
@@ -123,7 +128,10 @@ def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
                                              MASKED=masked, PDL=pdl, num_warps=4 if chunk <= 2048 else 8,
                                              launch_pdl=pdl)
     pdl = use_pdl(x.device, "argmax")
-    _argmax_final_kernel[(rows,)](vals, idx, ids, n_chunks, BLOCK=max(16, triton.next_power_of_2(n_chunks)), PDL=pdl,
+    if copy_to is not None:
+        assert copy_to.dtype == torch.int64 and copy_to.shape == (rows,) and copy_to.is_contiguous()
+    _argmax_final_kernel[(rows,)](vals, idx, ids, copy_to if copy_to is not None else ids, n_chunks,
+                                  BLOCK=max(16, triton.next_power_of_2(n_chunks)), COPY=copy_to is not None, PDL=pdl,
                                   num_warps=1 if n_chunks <= 128 else 2, launch_pdl=pdl)
     return ids
 
@@ -142,15 +150,18 @@ def logits_argmax_ref(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, tor
 
 
 def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None,
-                  store_flag: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  store_flag: Optional[torch.Tensor] = None,
+                  copy_to: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits_argmax_ref` in the same two launches as `argmax`: stage 1 also writes the float32
     logits, so the conversion of the GEMM's output (one kernel and a write) and the argmax (a
     second read of what it wrote) become one pass over the GEMM's output. Bit-equal to the
     reference: float16/bfloat16 -> float32 is exact. ``store_flag`` (int32 [1] on the device): the
     logits are written only while it is non-zero (a CUDA graph of a greedy step whose logits nobody
-    reads skips the write, 4 bytes per vocabulary entry and row); otherwise the buffer is left as it was."""
+    reads skips the write, 4 bytes per vocabulary entry and row); otherwise the buffer is left as it was.
+    ``copy_to`` (int64 [rows]): the ids are also written there, by the same kernel (a decode step's next inputs,
+    without a copy after it)."""
     logits = torch.empty((raw.shape[0], n_cols), dtype=torch.float32, device=raw.device)
-    return logits, _split_argmax(raw, n_cols, chunk, logits, store_flag=store_flag)
+    return logits, _split_argmax(raw, n_cols, chunk, logits, store_flag=store_flag, copy_to=copy_to)
 
 
 MASKED_CHUNK = 2048  # one chunk size for every batch: the masked argmax runs outside the decode graphs,

@@ -76,6 +76,15 @@ def output_embedding_module(rows: int, width: int, padded: Optional[torch.Tensor
     return nn.Embedding(rows, width, _weight=padded[:rows])
 
 
+def plain_table(module: nn.Module) -> Optional[torch.Tensor]:
+    """The weight of ``module`` when it is a plain ``nn.Embedding`` of floating-point rows (what
+    `kernels.embed.gather_embed` reads in its place), else None (a tensor-parallel or CPU-quantized table)."""
+    w = getattr(module, "weight", None)
+    if type(module) is not nn.Embedding or not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        return None
+    return w if w.stride(1) == 1 else None
+
+
 def output_linear(width: int, rows: int, padded: Optional[torch.Tensor]) -> nn.Linear:
     """``nn.Linear(width, rows, bias=False)``, its weight a view of ``padded``'s first rows when given."""
     if padded is None:

@@ -10,7 +10,7 @@ from torch import nn
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (add_norm, check_all_loaded, copy_weight, linear_residual, logits_gemm,
                                            norm_linear, norm_qkv, output_embedding_module, output_logits,
-                                           padded_output_rows)
+                                           padded_output_rows, plain_table)
 
 
 class GPT2Block(nn.Module):
@@ -62,8 +62,17 @@ class GPT2ForCausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [blk.attn for blk in self.h]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual, x_bias = self.wte(input_ids), self.wpe(positions), None  # ln_1 adds the two
+    def decode_embeddings(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(token table, position table) for a decode step's `kernels.embed.gather_embed`, or None (not plain)."""
+        w, p = plain_table(self.wte), plain_table(self.wpe)
+        return None if w is None or p is None else (w, p)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, meta: AttentionMetadata,
+                embedded: Optional[tuple] = None) -> torch.Tensor:
+        """``embedded``: the rows' (token, position) embeddings already gathered (`decode_embeddings`), in place
+        of looking up ``input_ids`` and ``positions``."""
+        x, residual = embedded if embedded is not None else (self.wte(input_ids), self.wpe(positions))
+        x_bias = None  # ln_1 adds the two
         for blk in self.h:
             x, residual, x_bias = blk(x, residual, x_bias, meta)
         return add_norm(self.ln_f, x, residual, meta.fused_ops, x_bias)[0]

@@ -14,7 +14,8 @@ from torch import nn
 from rosecli.engine.attention import Attention, AttentionMetadata
 from rosecli.engine.models.common import (RMSNorm, Rope, RotaryEmbedding, add_norm, apply_rotary, check_all_loaded,
                                            copy_weight, linear_residual, logits_gemm, norm_linear, norm_qkv,
-                                           output_embedding_module, output_linear, output_logits, padded_output_rows)
+                                           output_embedding_module, output_linear, output_logits, padded_output_rows,
+                                           plain_table)
 from rosecli.engine.models.rope import context_length, rotary_angles
 from rosecli.kernels.launch_table import rope_in_decode
 from rosecli.kernels import rotary
@@ -163,12 +164,20 @@ class LlamaForCausalLM(nn.Module):
             self.__dict__["_native_decode"] = cached
         return cached[1]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if not meta.is_prefill and not meta.use_triton:
+    def decode_embeddings(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(token table, None) for a decode step's `kernels.embed.gather_embed`, or None (not a plain table)."""
+        w = plain_table(self.embed_tokens)
+        return None if w is None else (w, None)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, meta: AttentionMetadata,
+                embedded: Optional[tuple] = None) -> torch.Tensor:
+        """``embedded``: the rows' token embeddings already gathered (`decode_embeddings`; (x, None)), in place of
+        looking up ``input_ids``."""
+        if not meta.is_prefill and not meta.use_triton and embedded is None:
             fast = self.native_decode()
             if fast is not None:
                 return fast(input_ids, positions, meta)
-        x, residual, x_bias = self.embed_tokens(input_ids), None, None
+        x, residual, x_bias = self.embed_tokens(input_ids) if embedded is None else embedded[0], None, None
         rope = self.rotary.for_step(positions, fused_rotary(meta))
         for layer in self.layers:
             x, residual, x_bias = layer(x, residual, rope, meta, x_bias)

@@ -263,27 +263,11 @@ def check() -> int:
     return 1 if bad else 0
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / reps)
-    return best
+def graph_us(fn) -> float:
+    """us per call of ``fn``: `bench_skinny.graph_time_us`'s CUDA graph of one call, replayed."""
+    from bench_skinny import graph_time_us  # (scripts/ is on the path when this script runs)
+
+    return graph_time_us([fn], reps=20)
 
 
 def bench(layers: int) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine_utils import rel_err, same_greedy
 from rosecli.kernels import skinny_gemm
-from rosecli.kernels.launch_table import SkinnyLaunch, skinny_launch, stats_fold
+from rosecli.kernels.launch_table import SkinnyLaunch, logits_launch, skinny_launch, stats_fold
 from rosecli.kernels.skinny_gemm import skinny_linear, skinny_linear_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -444,13 +444,17 @@ def test_residual_statistics_table(monkeypatch):
 
 def test_one_row_logits_gemm_takes_the_kernel(monkeypatch):
     """A decode step's logits GEMM at one row (fused ops) runs on the kernel with the output rows padded, giving
-    cuBLAS's logits to fp16 rounding and the same greedy token; at two rows, or without fused ops, cuBLAS's."""
+    cuBLAS's logits to fp16 rounding and the same greedy token; at two rows, or without fused ops, cuBLAS's. The one
+    row's launch is `logits_launch`'s (2 warps, 512-wide K steps), not the one for other layers of that size."""
     from rosecli.engine.models import common
 
     monkeypatch.setattr(common, "_skinny_device", lambda x: True)
     calls = []
     real = skinny_gemm.skinny_linear
-    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a, **kw: calls.append(a[1].shape) or real(*a, **kw))
+    monkeypatch.setattr(skinny_gemm, "skinny_linear",
+                        lambda *a, **kw: calls.append((a[1].shape, kw.get("launch"))) or real(*a, **kw))
+    assert logits_launch(1) == SkinnyLaunch(4, 512, 1, 2, 3) != skinny_launch(1, 128256, 2048)
+    assert logits_launch(2) is None
     torch.manual_seed(0)
     padded = torch.zeros(320, 64, dtype=torch.float16)
     padded[:300] = torch.randn(300, 64, dtype=torch.float16) / 8
@@ -459,6 +463,7 @@ def test_one_row_logits_gemm_takes_the_kernel(monkeypatch):
         hidden = torch.randn(rows, 64, dtype=torch.float16)
         got = common.logits_gemm(hidden, weight, padded, fused)
         assert got.shape == (rows, 320) and (len(calls) == 1) == kernel
+        assert not kernel or calls[0] == ((320, 64), logits_launch(1))
         want = F.linear(hidden.float(), padded.float())
         torch.testing.assert_close(got.float(), want, atol=4e-3, rtol=4e-3)
         assert torch.equal(got[:, :300].float().argmax(-1), want[:, :300].argmax(-1))

@@ -217,13 +217,23 @@ def prefetch_lines(rows: int, rest: int, line: int) -> int:
 SKINNY_LOGITS = os.environ.get("ROSE_SKINNY_LOGITS", "1") != "0"  # (0: the logits GEMM on cuBLAS at one row too)
 
 
-def skinny_logits(rows: int) -> bool:
-    """Whether the logits GEMM of a decode step of ``rows`` rows runs on the skinny kernel (`skinny_launch`'s one-row
-    launch) rather than cuBLAS: at one row. Measured on the H100 (`rose profile --decode-step --decode-batch-sizes 1`,
-    ``ROSE_SKINNY_LOGITS=0`` -> 1, one call, us per step): GPT-2 289.6 -> 285.9, Llama-3.2-1B 1,072.8 -> 1,056.4,
-    Qwen2.5-1.5B 1,487.5 -> 1,476.1, Llama-3.1-8B 5,379.8 -> 5,345.5; SmolLM2-135M 522.4 -> 526.2 (inside the 522-526 it
-    measured in every call that day). At 2-64 rows the layer is past the size `skinny_launch` gives the kernel."""
-    return rows == 1 and SKINNY_LOGITS
+def logits_launch(rows: int) -> "SkinnyLaunch | None":
+    """The skinny kernel's launch for the logits GEMM of a decode step of ``rows`` rows, or None: cuBLAS. One row takes
+    the kernel (2-64 rows are past the size `skinny_launch` gives it), in 512-wide K steps with 2 warps.
+
+    Measured on the H100, the kernel against cuBLAS at one row (`rose profile --decode-step --decode-batch-sizes 1`,
+    ``ROSE_SKINNY_LOGITS=0`` -> 1, one call, us per step, then with `skinny_launch`'s launch for layers past 16 M
+    weights: 4 columns, 256-wide K steps, 4 warps): GPT-2 289.6 -> 285.9, Llama-3.2-1B 1,072.8 -> 1,056.4, Qwen2.5-1.5B
+    1,487.5 -> 1,476.1, Llama-3.1-8B 5,379.8 -> 5,345.5; SmolLM2-135M 522.4 -> 526.2 (inside the 522-526 it measured in
+    every call that day).
+    The launch swept inside whole steps on an H200 (the same command, a temporary switch, one call, us per step, the
+    launch before run first and last; columns, K step, warps, stages): with 2 warps every K step from 256 to 2048
+    beat it, 4 warps at 512 did not. Llama-3.2-1B 787.1 / 788.1 -> 774.8 (4, 512, 2, 3), 775.9 (4, 1024, 2, 3),
+    776.5 (4, 256, 2, 3), 776.0 (8, 512, 2, 3), 780.1 (4, 512, 4, 3); Qwen2.5-1.5B 1,147.6 / 1,146.2 -> 1,131.9
+    (4, 512, 2, 3), 1,133.3 (4, 1024, 2, 3), 1,130.9 (4, 256, 2, 3), 1,138.6 (4, 512, 4, 3); GPT-2 247.0 / 247.4 ->
+    241.6, 244.5, 241.7, 251.6 (the same four); Llama-3.1-8B 3,872.1 / 3,872.9 -> 3,872.9 (4, 512, 2, 3), 3,865.8
+    (4, 1024, 2, 3)."""
+    return SkinnyLaunch(4, 512, 1, 2, 3) if rows == 1 and SKINNY_LOGITS else None
 
 
 def fold_norm(rows: int, n: int, k: int) -> "SkinnyLaunch | None":

@@ -21,7 +21,7 @@ from torch import nn
 
 from rosecli.engine.errors import ModelLoadError
 from rosecli.kernels import activation, norm, skinny_gemm
-from rosecli.kernels.launch_table import (fold_copy, fold_norm, kv_in_gemm, skinny_launch, skinny_logits, stats_fold,
+from rosecli.kernels.launch_table import (fold_copy, fold_norm, kv_in_gemm, logits_launch, stats_fold,
                                           stats_pair)
 from rosecli.kernels.rotary import apply_rotary  # noqa: F401 (the models' import)
 
@@ -99,11 +99,11 @@ def logits_gemm(hidden: torch.Tensor, weight: torch.Tensor, padded: Optional[tor
     """The logits GEMM alone: ``hidden @ W^T`` in the weights' dtype, W = ``padded`` (the tensor
     ``weight`` is the first rows of) when given, else ``weight``: [N, rows of W], the columns past
     ``weight``'s rows zero. ``fused`` (a decode step's fused ops), one row: on `skinny_gemm` where
-    `launch_table.skinny_logits` says so, else cuBLAS."""
+    `launch_table.logits_launch` gives one, else cuBLAS."""
     w = weight if padded is None else padded
-    if (fused and SKINNY_GEMM and skinny_logits(hidden.shape[0]) and _skinny_device(hidden)
-            and skinny_gemm.supported(hidden, w)):
-        return skinny_gemm.skinny_linear(hidden, w, launch=skinny_launch(1, w.shape[0], w.shape[1]))
+    launch = logits_launch(hidden.shape[0]) if fused and SKINNY_GEMM else None
+    if launch is not None and _skinny_device(hidden) and skinny_gemm.supported(hidden, w):
+        return skinny_gemm.skinny_linear(hidden, w, launch=launch)
     return F.linear(hidden, w)
 
 

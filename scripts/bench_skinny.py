@@ -9,7 +9,7 @@ sweep, in `launch_table.SkinnyLaunch` form.
     python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
 
 At 2-64 rows the sweep also tries the TMA-loaded tiles (`SkinnyLaunch.tma`, the last field of a launch); ``--tma``
-sweeps those only (64/128 columns, 64/128-wide K steps, split 1-6, then 2-8 warps and 2-6 stages for the best two).
+sweeps those only (16-128 columns, 64/128-wide K steps, split 1-6, then 2-8 warps and 2-6 stages for the best two).
 
 ``--pairs`` times instead each add_norm between two of a model's layers, as the decode graphs run it without
 the pair: at 2-64 rows the GEMM before (its bias deferred), `norm.add_norm` and the GEMM after; at one row the
@@ -203,8 +203,9 @@ def main() -> None:
                             continue
                         cfg = SkinnyLaunch(bn, bk, sp, 4, 3)
                         found.append((t_of(cfg), cfg))
-                    if M > 1:  # the TMA-loaded tiles (`SkinnyLaunch.tma`), 4 stages
-                        for bn, bk, sp in itertools.product((64, 128), (64, 128), (1, 2, 4, 6)):
+                    if M > 1:  # the TMA-loaded tiles (`SkinnyLaunch.tma`), 4 stages; 16-32 columns: more programs
+                        # stream a small layer's weights (the 1B's 64-row o runs 32 programs of 64)
+                        for bn, bk, sp in itertools.product((16, 32, 64, 128), (64, 128), (1, 2, 4, 6)):
                             if not (sp > 1 and K // sp < 2 * bk):
                                 cfg = SkinnyLaunch(bn, bk, sp, 4, 4, True)
                                 found.append((t_of(cfg), cfg))

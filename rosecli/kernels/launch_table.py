@@ -227,8 +227,8 @@ def logits_launch(rows: int) -> "SkinnyLaunch | None":
     1,487.5 -> 1,476.1, Llama-3.1-8B 5,379.8 -> 5,345.5; SmolLM2-135M 522.4 -> 526.2 (inside the 522-526 it measured in
     every call that day).
     The launch swept inside whole steps on an H200 (the same command, a temporary switch, one call, us per step, the
-    launch before run first and last; columns, K step, warps, stages): with 2 warps every K step from 256 to 2048
-    beat it, 4 warps at 512 did not. Llama-3.2-1B 787.1 / 788.1 -> 774.8 (4, 512, 2, 3), 775.9 (4, 1024, 2, 3),
+    launch before run first and last; columns, K step, warps, stages): with 2 warps every K step tried (256-1024) beat
+    it, except on the 8B (unchanged); 4 warps in 512-wide steps gained less, and lost on GPT-2. Llama-3.2-1B 787.1 / 788.1 -> 774.8 (4, 512, 2, 3), 775.9 (4, 1024, 2, 3),
     776.5 (4, 256, 2, 3), 776.0 (8, 512, 2, 3), 780.1 (4, 512, 4, 3); Qwen2.5-1.5B 1,147.6 / 1,146.2 -> 1,131.9
     (4, 512, 2, 3), 1,133.3 (4, 1024, 2, 3), 1,130.9 (4, 256, 2, 3), 1,138.6 (4, 512, 4, 3); GPT-2 247.0 / 247.4 ->
     241.6, 244.5, 241.7, 251.6 (the same four); Llama-3.1-8B 3,872.1 / 3,872.9 -> 3,872.9 (4, 512, 2, 3), 3,865.8

@@ -228,11 +228,11 @@ def logits_launch(rows: int) -> "SkinnyLaunch | None":
     every call that day).
     The launch swept inside whole steps on an H200 (the same command, a temporary switch, one call, us per step, the
     launch before run first and last; columns, K step, warps, stages): with 2 warps every K step tried (256-1024) beat
-    it, except on the 8B (unchanged); 4 warps in 512-wide steps gained less, and lost on GPT-2. Llama-3.2-1B 787.1 / 788.1 -> 774.8 (4, 512, 2, 3), 775.9 (4, 1024, 2, 3),
-    776.5 (4, 256, 2, 3), 776.0 (8, 512, 2, 3), 780.1 (4, 512, 4, 3); Qwen2.5-1.5B 1,147.6 / 1,146.2 -> 1,131.9
-    (4, 512, 2, 3), 1,133.3 (4, 1024, 2, 3), 1,130.9 (4, 256, 2, 3), 1,138.6 (4, 512, 4, 3); GPT-2 247.0 / 247.4 ->
-    241.6, 244.5, 241.7, 251.6 (the same four); Llama-3.1-8B 3,872.1 / 3,872.9 -> 3,872.9 (4, 512, 2, 3), 3,865.8
-    (4, 1024, 2, 3)."""
+    it, except on the 8B (unchanged); 4 warps in 512-wide steps gained less, and lost on GPT-2. Llama-3.2-1B 787.1 /
+    788.1 -> 774.8 (4, 512, 2, 3), 775.9 (4, 1024, 2, 3), 776.5 (4, 256, 2, 3), 776.0 (8, 512, 2, 3), 780.1 (4, 512, 4,
+    3); Qwen2.5-1.5B 1,147.6 / 1,146.2 -> 1,131.9 (4, 512, 2, 3), 1,133.3 (4, 1024, 2, 3), 1,130.9 (4, 256, 2, 3),
+    1,138.6 (4, 512, 4, 3); GPT-2 247.0 / 247.4 -> 241.6, 244.5, 241.7, 251.6 (the same four); Llama-3.1-8B 3,872.1 /
+    3,872.9 -> 3,872.9 (4, 512, 2, 3), 3,865.8 (4, 1024, 2, 3)."""
     return SkinnyLaunch(4, 512, 1, 2, 3) if rows == 1 and SKINNY_LOGITS else None
 
 

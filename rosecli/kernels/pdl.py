@@ -16,7 +16,7 @@ tables (the sequences' inputs are copied by the host before the step); a kernel 
 the kernel before ends.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
-``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax), for A/B
+``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax, embed), for A/B
 measurements; ``ROSE_SKINNY_PDL=0`` (older) is ``ROSE_PDL_OFF=skinny``.
 
 While it waits, a kernel launched early can also ask for what it will read into the L2 cache (`l2_prefetch`):

@@ -6,7 +6,8 @@ per call includes the gaps between kernels in a graph. Prints, per shape: cuBLAS
 kernel where the model has one), the current launch table's choice, and the best config found by a
 sweep, in `launch_table.SkinnyLaunch` form.
 
-    python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--sweep]
+    python scripts/bench_skinny.py [--rows 1 64] [--models gpt2 smollm2 llama1b qwen1.5b llama8b] [--layers qkv o]
+                                   [--sweep]
 
 At 2-64 rows the sweep also tries the TMA-loaded tiles (`SkinnyLaunch.tma`, the last field of a launch); ``--tma``
 sweeps those only (16-128 columns, 64/128-wide K steps, split 1-6, then 2-8 warps and 2-6 stages for the best two).
@@ -157,6 +158,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also search launch configs")
     ap.add_argument("--pairs", action="store_true", help="the add_norm between two layers (see above)")
     ap.add_argument("--tma", action="store_true", help="at 2-64 rows, sweep the TMA-loaded tiles' launches only")
+    ap.add_argument("--layers", nargs="+", help="only these layers (names as printed: qkv, o, gate_up, down, ...)")
     a = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -166,6 +168,8 @@ def main() -> None:
     for model in a.models:
         dtype, layers = SHAPES[model]
         for name, N, K, has_bias, act in layers:
+            if a.layers and name not in a.layers:
+                continue
             gelu, swiglu = act is True, act == "swiglu"
             copies = max(2, min(24, math.ceil(160e6 / (N * K * 2))))
             ws = [torch.randn(N, K, device=dev, dtype=dtype) / K ** 0.5 for _ in range(copies)]

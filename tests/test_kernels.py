@@ -227,6 +227,16 @@ def test_decode_split_table():
     assert all(_splits(b, 3, 8192) >= 1 for b in (1, 7, 64, 1000))
 
 
+def test_decode_launch_gives_gqa_groups_of_four_more_warps_where_measured():
+    """Llama's group of 4 at 32-64 rows (batch x kv heads 256-512) takes 4 warps; MHA and a group of 3 keep the row's
+    2 (GPT-2 lost with 4), and rows of other tiles or splits are left as the table has them."""
+    warps = lambda batch, heads, kv: decode_launch(batch, heads, kv, 64, 16, 2048)["num_warps"]  # noqa: E731
+    assert warps(64, 32, 8) == warps(32, 32, 8) == warps(64, 28, 4) == 4
+    assert warps(64, 12, 12) == warps(256, 9, 3) == 2
+    assert warps(16, 32, 8) == launch_table.lookup(launch_table.DECODE, 16 * 8).num_warps
+    assert warps(1, 32, 8) == launch_table.DECODE[0][1].num_warps
+
+
 def test_decode_launch_table_rows_are_launchable():
     bounds = [bound for bound, _ in launch_table.DECODE]
     assert bounds == sorted(bounds) and bounds[-1] == float("inf")
@@ -318,7 +328,7 @@ GPU_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("batch,context,bound", [(1, 4000, 8192), (64, 1024, 1024), (7, 333, 8192), (256, 129, 1024)])
 def test_decode_gpu_realistic_shapes(dtype, batch, context, bound):
     lens = [max(1, context - 13 * i) for i in range(batch)]
-    for heads, kv_heads in ((12, 12), (9, 3)):
+    for heads, kv_heads in ((12, 12), (9, 3), (16, 4)):  # (16, 4): `launch_table.decode_row`'s 4 warps at 64 rows
         out, ref = _decode_case(lens, heads, kv_heads, 64, 16, dtype, seed=batch, bound=bound)
         assert _rel(out, ref) < TOL[dtype]
 

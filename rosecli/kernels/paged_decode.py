@@ -73,8 +73,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def decode_launch(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
                   max_context_len: int) -> dict:
     """The fixed launch parameters for a shape (see `launch_table`)."""
-    return launch_table.row_launch(launch_table.lookup(launch_table.DECODE, batch * kv_heads), max_context_len,
-                                   block_size)
+    return launch_table.row_launch(launch_table.decode_row(batch, heads, kv_heads), max_context_len, block_size)
 
 
 @triton.jit

@@ -86,6 +86,29 @@ def test_decode_batch_sizes_are_checked(cache_dir, args, needle):
     assert needle in _error_line(_decode_step(cache_dir, "--device", "cpu", *args))
 
 
+def test_layer_program_finds_one_layers_kernels_in_launch_order():
+    """`layer_program`: a step's launches split into before / one layer (each kernel the mean over the layers) /
+    after, the layer's kernels in the order they run; the final norm, named as the layers' norms are, stays after."""
+    from rosecli.bench.profile import layer_program
+
+    layer = ["norm", "gemm", "attention", "gemm", "norm", "gemm", "gemm"]
+    launches = [("embed", 2.0)]
+    for i in range(3):  # layer i's kernels take (i + 1) x (their place in the layer + 1) us
+        launches += [(name, (i + 1) * (j + 1.0)) for j, name in enumerate(layer)]
+    launches += [("norm", 1.5), ("logits", 140.0), ("argmax", 10.0)]
+    prog = layer_program(launches, 3)
+    assert prog.layers == 3 and prog.before == [("embed", 2.0)]
+    assert prog.layer == [(name, 2.0 * (j + 1)) for j, name in enumerate(layer)]  # mean of 1x, 2x, 3x
+    assert prog.after == [("norm", 1.5), ("logits", 140.0), ("argmax", 10.0)]
+    # a first layer with a kernel of its own: no three alike (None, not a made-up layer); asked for two, the two
+    # alike runs from just after it (a rotation of a layer's order, each kernel once)
+    odd = launches[:4] + [("extra", 1.0)] + launches[4:]
+    assert layer_program(odd, 3) is None
+    prog = layer_program(odd, 2)
+    assert sorted(name for name, _ in prog.layer) == sorted(layer) and prog.before[-1] == ("extra", 1.0)
+    assert layer_program([(f"k{i}", 1.0) for i in range(20)], 4) is None  # nothing repeats
+
+
 @pytest.mark.gpu
 def test_decode_step_prints_replay_time_and_kernels_per_batch_size(cache_dir):
     cache_dir = os.environ.get("ROSE_CACHE_DIR", cache_dir)  # a GPU host may have no tokenizer package, only a cache
@@ -100,3 +123,5 @@ def test_decode_step_prints_replay_time_and_kernels_per_batch_size(cache_dir):
         assert float(m[1]) > 0 and int(m[2]) > 0 and float(m[3]) > 0
     kernel_lines = [line for line in r.output.splitlines() if re.match(r"\s+\d+ x\s+[0-9.]+ us  \S", line)]
     assert len(kernel_lines) >= 2, r.output
+    assert r.output.count("one layer of 2, in launch order") == 2, r.output  # tiny-llama: two layers, at each size
+    assert re.search(r"\s+1\.\s+[0-9.]+ us\s+[0-9.]+%  \S", r.output), r.output

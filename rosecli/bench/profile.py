@@ -6,7 +6,7 @@ profiler, whose ranges carry the same stage names as the NVTX ranges.
 `rose profile --decode-step` (`profile_decode_step`) looks at the device instead: for each batch
 size, the device time of one decode step (CUDA events around back-to-back replays of the step's
 CUDA graph, so no host work is counted) and the kernels of one eager step (torch profiler: count
-and device time by kernel name)."""
+and device time by kernel name, and one layer's kernels in launch order: `layer_program`)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ class DecodeStepProfile:
     step_us: float  # device time of one step
     kernels: list[tuple[str, int, float]]  # one eager step: (kernel name, launches, device us), most time first
     step_bytes: Optional[int] = None  # what the step reads (weights + KV, `rosecli.engine.roofline`)
+    layer: Optional["LayerProgram"] = None  # one layer's kernels in launch order (`layer_program`)
 
     @property
     def kernel_launches(self) -> int:
@@ -131,6 +132,36 @@ def kernel_category(name: str) -> str:
         if pattern.search(name):
             return kind
     return "other"
+
+
+@dataclass
+class LayerProgram:
+    """A step's kernels split into what runs before its layers, one layer's kernels (each the mean over the
+    layers), and what runs after them; each entry (kernel name, device us)."""
+    layers: int
+    before: list[tuple[str, float]]
+    layer: list[tuple[str, float]]
+    after: list[tuple[str, float]]
+
+
+def layer_program(launches: list[tuple[str, float]], layers: int) -> Optional[LayerProgram]:
+    """Where ``launches`` (one step's kernels in launch order: name, device us) hold ``layers`` runs of the same
+    kernel names back to back, the longest such run's kernels (so a layer's whole set) each averaged over the
+    layers; the earliest place it fits wins (the first layer's first kernel, where the layers launch alike; else a
+    rotation of a layer's order). None when the names repeat no such way (e.g. one layer launching a kernel the
+    others do not)."""
+    names = [name for name, _ in launches]
+    n = len(names)
+    if layers < 2:
+        return None
+    for period in range(n // layers, 0, -1):
+        span = period * layers
+        for start in range(n - span + 1):
+            if all(names[i] == names[i + period] for i in range(start, start + span - period)):
+                layer = [(names[start + j], sum(launches[start + j + period * i][1] for i in range(layers)) / layers)
+                         for j in range(period)]
+                return LayerProgram(layers, launches[:start], layer, launches[start + span:])
+    return None
 
 
 def decode_batch_sizes(text: Optional[str], max_batch_size: int) -> list[int]:
@@ -192,6 +223,7 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
         from torch.profiler import ProfilerActivity, profile
 
         kernels: dict[str, list] = {}
+        launches = []
         with warnings.catch_warnings():  # torch warns that a profile without a schedule is one cycle: it is
             warnings.filterwarnings("ignore", message=".*Profiler clears events")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -202,8 +234,11 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
                     k = kernels.setdefault(ev.name, [0, 0.0])
                     k[0] += 1
                     k[1] += ev.device_time
+                    launches.append((ev.time_range.start, ev.name, ev.device_time))
         rows = sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
-        out.append(DecodeStepProfile(batch, context_len, graph, step_us, rows, step_bytes))
+        layer = layer_program([(name, us) for _, name, us in sorted(launches, key=lambda e: e[0])],
+                              engine.loaded.model.num_layers)
+        out.append(DecodeStepProfile(batch, context_len, graph, step_us, rows, step_bytes, layer))
         for rid in ids:
             sched.discard_request(rid)
         while sched.has_unfinished():

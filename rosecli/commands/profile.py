@@ -117,3 +117,21 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optio
                           markup=False, soft_wrap=True)
         for name, n, us in r.kernels[:14]:
             console.print(f"   {n:4d} x {us / n:7.2f} us  {name[:90]}", highlight=False, markup=False, soft_wrap=True)
+        if r.layer is not None:
+            _print_layer_program(console, r.layer, r.kernel_us)
+
+
+def _print_layer_program(console, prog, kernel_us: float) -> None:
+    """One layer's kernels in launch order (`rosecli.bench.profile.layer_program`), each with its share of the eager
+    step's kernel time over all the layers, and what runs around them."""
+    def items(launches):
+        return ", ".join(f"{name[:48]} {us:.2f}" for name, us in launches) or "none"
+
+    console.print(f"   one layer of {prog.layers}, in launch order (us, the mean over the layers; "
+                  f"{sum(us for _, us in prog.layer):.2f} a layer):", highlight=False, markup=False, soft_wrap=True)
+    for i, (name, us) in enumerate(prog.layer, 1):
+        share = us * prog.layers / kernel_us * 100 if kernel_us > 0 else 0.0
+        console.print(f"   {i:4d}. {us:7.2f} us {share:5.1f}%  {name[:90]}", highlight=False, markup=False,
+                      soft_wrap=True)
+    console.print(f"   before the layers: {items(prog.before)}; after: {items(prog.after)}", highlight=False,
+                  markup=False, soft_wrap=True)

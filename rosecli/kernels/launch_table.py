@@ -59,19 +59,21 @@ DECODE = ((3, DecodeLaunch(32, 64, 128, 4, 2, False, True)),  # smollm2 B=1
           (math.inf, DecodeLaunch(1, 256, 32, 2, 3, True, True)))  # gpt2 B=256
 
 
-def decode_row(batch: int, heads: int, kv_heads: int) -> DecodeLaunch:
-    """`DECODE`'s row for a decode launch, by batch x kv heads; where it runs 64-token tiles in one split with 2 warps
-    and the GQA group is 4 heads or more, 4 warps (the group's padded rows of q against each tile are more work).
+# num_warps for GQA groups of 4 heads or more (the group's padded rows of q against each tile are more work), by the
+# same batch x kv heads key as DECODE; None: the row's own. Measured on an H200 inside whole steps (`rose profile
+# --decode-step --load-format dummy --decode-batch-sizes 16,32,64`, 128 tokens, 2 -> 4 warps by a temporary switch,
+# alternating twice, us per step): Llama-3.2-1B 1,025.1 / 1,023.3 -> 1,016.3 / 1,016.9 at 32 rows, 1,133.2 / 1,134.0
+# -> 1,127.8 / 1,128.6 at 64, but 941.5 / 941.6 -> 950.0 / 950.3 at 16 (key 128); Llama-3.1-8B 4,913.2 / 4,910.2 ->
+# 4,887.3 / 4,894.6 at 64. GPT-2 (MHA) at 64 rows lost (441 -> 453); SmolLM2's group of 3 is unmeasured.
+DECODE_GQA_WARPS = ((192, None), (768, 4), (math.inf, None))
 
-    Measured on an H200 inside whole steps (`rose profile --decode-step --load-format dummy --decode-batch-sizes
-    16,32,64`, 128 tokens, 2 -> 4 warps by a temporary switch, alternating twice, us per step): Llama-3.2-1B
-    1,025.1 / 1,023.3 -> 1,016.3 / 1,016.9 at 32 rows, 1,133.2 / 1,134.0 -> 1,127.8 / 1,128.6 at 64; Llama-3.1-8B
-    4,913.2 / 4,910.2 -> 4,887.3 / 4,894.6 at 64. GPT-2 (MHA) at 64 rows lost (441 -> 453), so MHA and SmolLM2's
-    group of 3 (unmeasured) keep 2."""
-    row = lookup(DECODE, batch * kv_heads)
-    if heads >= 4 * kv_heads and row.splits == 1 and row.tile == 64 and row.num_warps == 2:
-        return row._replace(num_warps=4)
-    return row
+
+def decode_row(batch: int, heads: int, kv_heads: int) -> DecodeLaunch:
+    """`DECODE`'s row for a decode launch, by batch x kv heads, with `DECODE_GQA_WARPS`'s warps for GQA groups of 4+."""
+    key = batch * kv_heads
+    row = lookup(DECODE, key)
+    warps = lookup(DECODE_GQA_WARPS, key) if heads >= 4 * kv_heads else None
+    return row if warps is None else row._replace(num_warps=warps)
 
 
 # --- paged prefill ------------------------------------------------------------------------------

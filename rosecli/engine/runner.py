@@ -180,6 +180,7 @@ class ModelRunner:
         allocate_kv_cache(model, self.num_blocks, self.block_size, dtype, device)
         self._alloc_decode_buffers()
         self.graphs: dict[int, _DecodeGraph] = {}
+        self._embed_tables = False  # the model's `decode_embeddings` (None: none), looked up at the first decode
         self.prefill_graphs: Optional[prefill_graphs.PrefillGraphs] = None  # small prefills as graphs (`prefill_graphs`)
         # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
@@ -467,7 +468,9 @@ class ModelRunner:
         if not meta.use_triton and getattr(self.model, "native_decode", lambda: None)() is None:
             meta = with_decode_gather(meta, self.block_size, self.model.num_kv_heads, self.dtype)
         d = self.dev_staging
-        tables = getattr(self.model, "decode_embeddings", lambda: None)() if self.use_triton else None
+        if self._embed_tables is False:  # (once: the tables are the loaded model's for good)
+            self._embed_tables = getattr(self.model, "decode_embeddings", lambda: None)() if self.use_triton else None
+        tables = self._embed_tables
         if tables is not None:  # one kernel: each row's id (last step's sample or the host's) and its embeddings
             pos = d.positions[:batch]
             embedded = gather_embed(d.tokens, d.src[:batch], tables[0], pos if tables[1] is not None else None,

@@ -86,6 +86,30 @@ def test_decode_batch_sizes_are_checked(cache_dir, args, needle):
     assert needle in _error_line(_decode_step(cache_dir, "--device", "cpu", *args))
 
 
+def test_decode_step_refuses_contexts_past_the_model_or_the_kv_cache(tiny_engine_factory):
+    """`--decode-step --input-len N` queues its prompts on the scheduler directly: N past the model's context (GPT-2's
+    1,024 positions at --input-len 2048 was a device-side assert) or a batch of them past the KV cache is a ConfigError
+    naming the flag and the limit, before anything is queued; a context that fits gets as far as the device check."""
+    from rosecli.bench.profile import DECODE_STEP_HEADROOM, profile_decode_step
+    from rosecli.engine.errors import ConfigError
+
+    engine = tiny_engine_factory()
+    most = engine.max_model_len - DECODE_STEP_HEADROOM
+    for n in (most + 1, engine.max_model_len, 0):
+        with pytest.raises(ConfigError, match=rf"--input-len {n}: .* allows --input-len 1\.\.{most}$"):
+            profile_decode_step(engine, [1], n)
+    bm = engine.scheduler.block_manager
+    per_seq = bm.blocks_needed(64 + DECODE_STEP_HEADROOM)
+    batch = bm.num_blocks // per_seq + 1
+    with pytest.raises(ConfigError, match=rf"--input-len 64 at B={batch}: {batch * per_seq} KV blocks .* has "
+                                          rf"{bm.num_blocks}: .*--num-gpu-blocks"):
+        profile_decode_step(engine, [1, batch], 64)
+    for sizes, n in (([batch - 1], 64), ([1], most)):
+        with pytest.raises(ConfigError, match="needs a CUDA GPU"):  # (this engine is on the CPU)
+            profile_decode_step(engine, sizes, n)
+    assert not engine.scheduler.has_unfinished()
+
+
 def test_layer_program_finds_one_layers_kernels_in_launch_order():
     """`layer_program`: a step's launches split into before / one layer (each kernel the mean over the layers) /
     after, the layer's kernels in the order they run; the final norm, named as the layers' norms are, stays after."""

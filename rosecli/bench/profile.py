@@ -80,6 +80,9 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
 
 DECODE_STEP_REPLAYS = 200  # back-to-back runs of the step whose device time is averaged
 DEFAULT_DECODE_CONTEXT = 128
+# Positions past each prompt that the profiled step may reach: the prefill's token, the decode step read and the one
+# in flight that is replayed (two), with room to spare.
+DECODE_STEP_HEADROOM = 4
 
 
 @dataclass
@@ -182,11 +185,31 @@ def decode_batch_sizes(text: Optional[str], max_batch_size: int) -> list[int]:
     return sizes
 
 
+def check_decode_context(engine, batch_sizes: list[int], context_len: int) -> None:
+    """A ConfigError unless every sequence of the largest batch holds ``context_len`` tokens and the steps after them
+    (`DECODE_STEP_HEADROOM`) within the model's context and, all together, within the KV cache. (The profile queues
+    its prompts on the scheduler itself, past the checks a request's prompt gets: a prompt past a learned position
+    table would index outside it on the device.)"""
+    limit = engine.max_model_len - DECODE_STEP_HEADROOM
+    if not 1 <= context_len <= limit:
+        raise ConfigError(f"--input-len {context_len}: the profiled decode step runs up to {DECODE_STEP_HEADROOM} "
+                          f"tokens past each prompt, so {engine.model_name}'s context of {engine.max_model_len} "
+                          f"tokens allows --input-len 1..{limit}")
+    bm = engine.scheduler.block_manager
+    batch = max(batch_sizes)
+    need = batch * bm.blocks_needed(context_len + DECODE_STEP_HEADROOM)
+    if need > bm.num_blocks:
+        raise ConfigError(f"--input-len {context_len} at B={batch}: {need} KV blocks of {bm.block_size} tokens, but "
+                          f"the KV cache has {bm.num_blocks}: lower --input-len or --decode-batch-sizes, or raise "
+                          "--num-gpu-blocks")
+
+
 def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAULT_DECODE_CONTEXT,
                         replays: int = DECODE_STEP_REPLAYS) -> list[DecodeStepProfile]:
     """For each batch size: admit that many requests of ``context_len`` tokens, step until the
     last step launched decodes all of them, then time and profile that step again (its inputs
     stay staged) and discard the requests. Needs CUDA."""
+    check_decode_context(engine, batch_sizes, context_len)
     if engine.device.type != "cuda":
         raise ConfigError("--decode-step times CUDA graph replays and CUDA kernels: it needs a CUDA GPU")
     sched, runner = engine.scheduler, engine.runner

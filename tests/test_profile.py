@@ -77,6 +77,10 @@ def test_decode_step_without_cuda_is_one_line(cache_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("args, needle", [
+    (["--decode-step", "--decode-contexts", "128,x"], "--decode-contexts takes comma-separated whole numbers"),
+    (["--decode-step", "--decode-contexts", "128,0"], "--decode-contexts: 0 is not a context"),
+    (["--decode-step", "--decode-contexts", "64", "--input-len", "64"], "from --input-len or --decode-contexts, not"),
+    (["--decode-contexts", "64"], "--decode-contexts applies only with --decode-step"),
     (["--decode-step", "--decode-batch-sizes", "0"], "0 is outside 1..--max-batch-size (64)"),
     (["--decode-step", "--decode-batch-sizes", "8", "--max-batch-size", "4"], "8 is outside 1..--max-batch-size (4)"),
     (["--decode-step", "--decode-batch-sizes", "1,x"], "comma-separated whole numbers"),
@@ -149,3 +153,24 @@ def test_decode_step_prints_replay_time_and_kernels_per_batch_size(cache_dir):
     assert len(kernel_lines) >= 2, r.output
     assert r.output.count("one layer of 2, in launch order") == 2, r.output  # tiny-llama: two layers, at each size
     assert re.search(r"\s+1\.\s+[0-9.]+ us\s+[0-9.]+%  \S", r.output), r.output
+
+
+@pytest.mark.gpu
+def test_decode_step_times_each_of_several_contexts_in_one_start_up(cache_dir):
+    """--decode-contexts: each context at each batch size, in turn, the longer one reading more K/V a step; a context
+    past the model is refused, naming the flag and the limit, before any is timed."""
+    cache_dir = os.environ.get("ROSE_CACHE_DIR", cache_dir)
+    args = ("--decode-step", "--decode-batch-sizes", "1,2", "--max-batch-size", "2")
+    r = _decode_step(cache_dir, *args, "--decode-contexts", "40,300")
+    assert r.exit_code == 0, r.output
+    assert "40 / 300 tokens of context per sequence, in turn" in r.output
+    short, long = r.output.split("at 40 tokens:")[1].split("at 300 tokens:")
+    floors = []
+    for group in (short, long):
+        for batch in (1, 2):
+            assert re.search(rf"B={batch}: graph replay [0-9.]+ us/step", group), r.output
+        floors.append(float(re.search(r"floor: ([0-9.]+) MB read", group.split("B=2:")[1])[1]))
+    assert floors[1] > floors[0], r.output
+    r = _decode_step(cache_dir, *args, "--decode-contexts", "40,100000000")
+    assert r.exit_code == 2 and "Traceback" not in r.output and "graph replay" not in r.output, r.output
+    assert re.search(r"--decode-contexts 100000000: .* allows --decode-contexts 1\.\.\d+", r.output), r.output

@@ -167,40 +167,56 @@ def layer_program(launches: list[tuple[str, float]], layers: int) -> Optional[La
     return None
 
 
+def _whole_numbers(text: str, flag: str, example: str) -> list[int]:
+    """A comma-separated list of whole numbers given to ``flag``, or a ConfigError showing ``example``."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} takes comma-separated whole numbers, e.g. {example}; got {text!r}") from None
+
+
 def decode_batch_sizes(text: Optional[str], max_batch_size: int) -> list[int]:
     """``--decode-batch-sizes`` (comma-separated; None: 1 and ``max_batch_size``), checked."""
     if text is None:
         return sorted({1, max_batch_size})
-    sizes = []
-    for part in text.split(","):
-        try:
-            size = int(part)
-        except ValueError:
-            raise ConfigError(f"--decode-batch-sizes takes comma-separated whole numbers, e.g. 1,16,64; got "
-                              f"{text!r}") from None
+    sizes = _whole_numbers(text, "--decode-batch-sizes", "1,16,64")
+    for size in sizes:
         if not 1 <= size <= max_batch_size:
             raise ConfigError(f"--decode-batch-sizes: {size} is outside 1..--max-batch-size ({max_batch_size}): "
                               "raise --max-batch-size or pick smaller batches")
-        sizes.append(size)
     return sizes
 
 
-def check_decode_context(engine, batch_sizes: list[int], context_len: int) -> None:
+def decode_contexts(text: Optional[str], input_len: Optional[int]) -> list[int]:
+    """``--decode-contexts`` (comma-separated; None: ``--input-len``, else `DEFAULT_DECODE_CONTEXT`), each at least
+    one token (what the model holds is checked once it is loaded: `check_decode_context`)."""
+    if text is None:
+        return [input_len if input_len is not None else DEFAULT_DECODE_CONTEXT]
+    if input_len is not None:
+        raise ConfigError("--decode-step takes its context from --input-len or --decode-contexts, not both")
+    contexts = _whole_numbers(text, "--decode-contexts", "128,1024,4096")
+    for n in contexts:
+        if n < 1:
+            raise ConfigError(f"--decode-contexts: {n} is not a context; each is at least 1 token")
+    return contexts
+
+
+def check_decode_context(engine, batch_sizes: list[int], context_len: int, flag: str = "--input-len") -> None:
     """A ConfigError unless every sequence of the largest batch holds ``context_len`` tokens and the steps after them
     (`DECODE_STEP_HEADROOM`) within the model's context and, all together, within the KV cache. (The profile queues
     its prompts on the scheduler itself, past the checks a request's prompt gets: a prompt past a learned position
-    table would index outside it on the device.)"""
+    table would index outside it on the device.) ``flag`` names where the context came from."""
     limit = engine.max_model_len - DECODE_STEP_HEADROOM
     if not 1 <= context_len <= limit:
-        raise ConfigError(f"--input-len {context_len}: the profiled decode step runs up to {DECODE_STEP_HEADROOM} "
+        raise ConfigError(f"{flag} {context_len}: the profiled decode step runs up to {DECODE_STEP_HEADROOM} "
                           f"tokens past each prompt, so {engine.model_name}'s context of {engine.max_model_len} "
-                          f"tokens allows --input-len 1..{limit}")
+                          f"tokens allows {flag} 1..{limit}")
     bm = engine.scheduler.block_manager
     batch = max(batch_sizes)
     need = batch * bm.blocks_needed(context_len + DECODE_STEP_HEADROOM)
     if need > bm.num_blocks:
-        raise ConfigError(f"--input-len {context_len} at B={batch}: {need} KV blocks of {bm.block_size} tokens, but "
-                          f"the KV cache has {bm.num_blocks}: lower --input-len or --decode-batch-sizes, or raise "
+        raise ConfigError(f"{flag} {context_len} at B={batch}: {need} KV blocks of {bm.block_size} tokens, but the "
+                          f"KV cache has {bm.num_blocks}: lower {flag} or --decode-batch-sizes, or raise "
                           "--num-gpu-blocks")
 
 

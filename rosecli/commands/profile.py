@@ -30,12 +30,18 @@ def profile(
                                               "the workload: the device time of "
                                               "one decode step (CUDA graph replays) and the kernels of one eager "
                                               "step, for each of --decode-batch-sizes, every sequence holding "
-                                              "--input-len tokens (default 128). Needs a CUDA GPU.")] = False,
+                                              "--input-len tokens (default 128; or each of --decode-contexts). "
+                                              "Needs a CUDA GPU.")] = False,
     decode_batch_sizes: Annotated[Optional[str], typer.Option("--decode-batch-sizes", metavar="N,N,...",
                                                               rich_help_panel=o.CUDA, help="(CUDA) "
                                                               "Comma-separated batch "
                                                               "sizes for --decode-step (default: 1 and "
                                                               "--max-batch-size).")] = None,
+    decode_contexts: Annotated[Optional[str], typer.Option("--decode-contexts", metavar="N,N,...",
+                                                           rich_help_panel=o.CUDA, help="(CUDA) Comma-separated "
+                                                           "context lengths for --decode-step, each timed at every "
+                                                           "batch size in one start-up (default: --input-len, else "
+                                                           "128).")] = None,
     *, config: EngineConfig, spec: WorkloadSpec, params: SamplingParams, warmup_runs: int,
 ) -> None:
     """Run a short workload after start-up and warm-up; print host time per engine stage.
@@ -44,8 +50,8 @@ def profile(
     measured window is bracketed by cudaProfilerStart/Stop, e.g.
     `nsys profile -t cuda,nvtx --capture-range=cudaProfilerApi -o rose rose profile --nvtx`.
     """
-    if decode_step or decode_batch_sizes is not None:
-        return _decode_step(decode_step, decode_batch_sizes, spec.input_len, config)
+    if decode_step or decode_batch_sizes is not None or decode_contexts is not None:
+        return _decode_step(decode_step, decode_batch_sizes, decode_contexts, spec.input_len, config)
     o.check_runs(warmup_runs, 1)
     if torch_trace is not None:
         if not torch_trace.strip():
@@ -75,32 +81,45 @@ def profile(
         console.print(f"torch trace: {result.trace_path}")
 
 
-def _decode_step(decode_step: bool, batch_sizes: Optional[str], input_len: Optional[int], config) -> None:
+def _decode_step(decode_step: bool, batch_sizes: Optional[str], contexts_text: Optional[str],
+                 input_len: Optional[int], config) -> None:
     import torch
 
-    from rosecli.bench.profile import DEFAULT_DECODE_CONTEXT, decode_batch_sizes, profile_decode_step
+    from rosecli.bench.profile import check_decode_context, decode_batch_sizes, decode_contexts, profile_decode_step
     from rosecli.engine.errors import ConfigError
 
     if not decode_step:
-        raise ConfigError("--decode-batch-sizes applies only with --decode-step")
+        flag = "--decode-batch-sizes" if batch_sizes is not None else "--decode-contexts"
+        raise ConfigError(f"{flag} applies only with --decode-step")
     sizes = decode_batch_sizes(batch_sizes, config.max_batch_size)
+    contexts = decode_contexts(contexts_text, input_len)
     if config.device == "cpu" or not torch.cuda.is_available():
         where = "--device cpu" if config.device == "cpu" else "this machine has no CUDA GPU"
         raise ConfigError(f"--decode-step times CUDA graph replays and CUDA kernels and needs a CUDA GPU ({where}): "
                           "leave out --decode-step (rose profile without it prints host time per stage)")
-    context = input_len if input_len is not None else DEFAULT_DECODE_CONTEXT
     console, err = Console(), Console(stderr=True)
     engine = start_engine(config, err)
     try:
-        rows = profile_decode_step(engine, sizes, context)
+        flag = "--input-len" if contexts_text is None else "--decode-contexts"
+        for context in contexts:  # every one refused before any is timed
+            check_decode_context(engine, sizes, context, flag)
+        rows = [profile_decode_step(engine, sizes, context) for context in contexts]
         from rosecli.bench.roofline import engine_probe
 
         probe = engine_probe(engine, lambda msg: err.print(msg, highlight=False, markup=False))
     finally:
         engine.close()
     console.print(f"{torch.cuda.get_device_name(engine.device)}, torch {torch.__version__}, model "
-                  f"{engine.model_name}, {engine.dtype}, {context} tokens of context per sequence", highlight=False,
-                  soft_wrap=True)
+                  f"{engine.model_name}, {engine.dtype}, {' / '.join(map(str, contexts))} tokens of context per "
+                  f"sequence{', in turn' if len(contexts) > 1 else ''}", highlight=False, soft_wrap=True)
+    for context, group in zip(contexts, rows):
+        if len(contexts) > 1:
+            console.print(f"at {context} tokens:", highlight=False)
+        _print_decode_rows(console, group, probe)
+
+
+def _print_decode_rows(console, rows, probe) -> None:
+    """`profile_decode_step`'s rows of one context: the replayed step against the floor, the eager step's kernels."""
     for r in rows:
         how = "graph replay" if r.graph else "eager step (no CUDA graph)"
         console.print(f"B={r.batch}: {how} {r.step_us:.1f} us/step ({r.batch / r.step_us * 1e6:,.0f} tok/s "

@@ -29,6 +29,21 @@ def test_profile_prints_every_stage_and_shares_add_up(cache_dir, tmp_path):
     assert traces
     names = {e.get("name") for e in json.load(open(tmp_path / traces[0]))["traceEvents"]}
     assert {"scheduler_step", "decode_forward", "detokenize_fanout"} <= names
+    assert "Device (torch trace)" not in r.output  # no device operations on the CPU
+
+
+def test_device_idle_counts_overlapping_operations_once_and_names_each_gaps_neighbours():
+    """`device_idle`: busy time is the union of the operations (PDL's overlapping kernels once), each gap lies between
+    the operation that ended last and the next to start, and the pairs are ranked by the idle time around them."""
+    from rosecli.bench.profile import device_idle
+
+    ops = [(20.0, 30.0, "gemm"), (0.0, 10.0, "gemm"), (2.0, 12.0, "attn"), (15.0, 17.0, "HtoD"),  # any order
+           (25.0, 33.0, "attn"), (31.0, 40.0, "gemm"), (43.0, 44.0, "HtoD"), (45.0, 50.0, "gemm")]
+    d = device_idle(ops)
+    assert (d.span_us, d.busy_us, d.idle_us) == (50.0, 40.0, 10.0)  # busy 0-12, 15-17, 20-40, 43-44, 45-50
+    assert d.gaps == [(3.0, "attn", "HtoD"), (3.0, "HtoD", "gemm"), (3.0, "gemm", "HtoD"), (1.0, "HtoD", "gemm")]
+    assert d.between(2) == [("HtoD", "gemm", 2, 4.0), ("attn", "HtoD", 1, 3.0)]
+    assert device_idle([(0.0, 5.0, "k"), (1.0, 2.0, "j")]).gaps == [] and device_idle([]) is None
 
 
 def test_stage_table_shares():
@@ -153,6 +168,19 @@ def test_decode_step_prints_replay_time_and_kernels_per_batch_size(cache_dir):
     assert len(kernel_lines) >= 2, r.output
     assert r.output.count("one layer of 2, in launch order") == 2, r.output  # tiny-llama: two layers, at each size
     assert re.search(r"\s+1\.\s+[0-9.]+ us\s+[0-9.]+%  \S", r.output), r.output
+
+
+@pytest.mark.gpu
+def test_profile_with_a_torch_trace_says_where_the_device_sat_idle(cache_dir, tmp_path):
+    cache_dir = os.environ.get("ROSE_CACHE_DIR", cache_dir)
+    r = runner.invoke(app, ["profile", "--model", "tiny-llama", "--load-format", "dummy", "--device", "cuda",
+                            "--num-requests", "2", "--max-new-tokens", "16", "--no-stop-on-eos", "--cache-dir",
+                            cache_dir, "--torch-trace", str(tmp_path)], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    m = re.search(r"Device \(torch trace\): busy ([0-9.]+) ms of ([0-9.]+) ms \(([0-9.]+)%\), idle in ([0-9,]+) gaps",
+                  r.output)
+    assert m and 0 < float(m[1]) <= float(m[2]) and 0 < float(m[3]) <= 100, r.output
+    assert re.search(r"\s+[0-9.]+ ms\s+[0-9,]+ x\s+[0-9.]+ us  \S.* -> \S", r.output), r.output
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """`rose profile`: run a short streaming workload after start-up and warm-up, and measure
 where each step's host time goes. The measured window is bracketed by cudaProfilerStart/Stop
 (``nsys --capture-range=cudaProfilerApi`` records just it) and optionally traced with the torch
-profiler, whose ranges carry the same stage names as the NVTX ranges.
+profiler, whose ranges carry the same stage names as the NVTX ranges; on CUDA the trace's device
+operations also give where the device sat idle in the window (`device_idle`).
 
 `rose profile --decode-step` (`profile_decode_step`) looks at the device instead: for each batch
 size, the device time of one decode step (CUDA events around back-to-back replays of the step's
@@ -28,11 +29,52 @@ from rosecli.engine.streaming import StreamingManager
 
 
 @dataclass
+class DeviceIdle:
+    """Where the device sat idle in a traced window (`device_idle`)."""
+    span_us: float  # the first device operation's start to the last one's end
+    busy_us: float  # time covered by at least one operation (kernels that overlap, as PDL's do, counted once)
+    gaps: list[tuple[float, str, str]]  # (us, the operation that ended, the one that started) for each idle gap
+
+    @property
+    def idle_us(self) -> float:
+        return self.span_us - self.busy_us
+
+    def between(self, top: int = 5) -> list[tuple[str, str, int, float]]:
+        """The ``top`` pairs of (ended, started) operations by idle time around them: (ended, started, gaps, us)."""
+        pairs: dict[tuple[str, str], list] = {}
+        for us, before, after in self.gaps:
+            p = pairs.setdefault((before, after), [0, 0.0])
+            p[0] += 1
+            p[1] += us
+        return sorted(((b, a, n, us) for (b, a), (n, us) in pairs.items()), key=lambda r: -r[3])[:top]
+
+
+def device_idle(ops: list[tuple[float, float, str]]) -> Optional[DeviceIdle]:
+    """``ops``: the device operations of a window as (start us, end us, name), in any order. The gaps when none ran,
+    each with the operation that ended last before it and the first to start after it; None without operations."""
+    if not ops:
+        return None
+    ops = sorted(ops)
+    busy, gaps = 0.0, []
+    start, end, last = ops[0][0], ops[0][1], ops[0][2]
+    for s, e, name in ops[1:]:
+        if s > end:  # nothing ran between end and s
+            busy += end - start
+            gaps.append((s - end, last, name))
+            start = s
+        if e >= end:
+            end, last = e, name
+    busy += end - start
+    return DeviceIdle(end - ops[0][0], busy, gaps)
+
+
+@dataclass
 class ProfileResult:
     rows: list[dict]
     run: StreamRun
     window_s: float
     trace_path: Optional[str]
+    device: Optional[DeviceIdle] = None  # with a torch trace on CUDA: the device's idle gaps in the window
 
 
 def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs: int = 1,
@@ -73,7 +115,11 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
             os.makedirs(torch_trace_dir, exist_ok=True)
             trace_path = os.path.join(torch_trace_dir, f"rose-profile-{int(time.time())}.json")
             prof.export_chrome_trace(trace_path)
-        return ProfileResult(stage_table(stages.samples), run, window, trace_path)
+        device = None
+        if prof is not None and cuda:
+            device = device_idle([(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                                  if ev.device_type == torch.autograd.DeviceType.CUDA])
+        return ProfileResult(stage_table(stages.samples), run, window, trace_path, device)
     finally:
         manager.close()
 

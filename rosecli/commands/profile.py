@@ -77,8 +77,21 @@ def profile(
                       f"{r['p99_us']:.1f}", f"{100 * r['share']:.1f}%")
     table.add_row("total", "", f"{sum(r['total_ms'] for r in result.rows):.2f}", "", "", "100.0%")
     console.print(table)
+    if result.device is not None:
+        _print_device_idle(console, result.device)
     if result.trace_path:
         console.print(f"torch trace: {result.trace_path}")
+
+
+def _print_device_idle(console, d) -> None:
+    """The traced window's device time: busy, idle, and the operations the longest idle stretches lie between."""
+    mean = d.idle_us / len(d.gaps) if d.gaps else 0.0
+    console.print(f"Device (torch trace): busy {d.busy_us / 1e3:.2f} ms of {d.span_us / 1e3:.2f} ms "
+                  f"({d.busy_us / d.span_us * 100 if d.span_us else 0:.1f}%), idle in {len(d.gaps):,} gaps of "
+                  f"{mean:.2f} us on average; most idle time between:", highlight=False, markup=False, soft_wrap=True)
+    for before, after, n, us in d.between():
+        console.print(f"   {us / 1e3:8.3f} ms  {n:6,d} x {us / n:6.2f} us  {before[:50]} -> {after[:50]}",
+                      highlight=False, markup=False, soft_wrap=True)
 
 
 def _decode_step(decode_step: bool, batch_sizes: Optional[str], contexts_text: Optional[str],

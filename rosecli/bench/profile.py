@@ -49,6 +49,11 @@ class DeviceIdle:
         return sorted(((b, a, n, us) for (b, a), (n, us) in pairs.items()), key=lambda r: -r[3])[:top]
 
 
+def device_events(prof) -> list:
+    """The torch profiler's events that ran on the device (kernels, copies, memsets), in the order it lists them."""
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def device_idle(ops: list[tuple[float, float, str]]) -> Optional[DeviceIdle]:
     """``ops``: the device operations of a window as (start us, end us, name), in any order. The gaps when none ran,
     each with the operation that ended last before it and the first to start after it; None without operations."""
@@ -117,8 +122,7 @@ def run_profile(engine, spec: WorkloadSpec, params: SamplingParams, warmup_runs:
             prof.export_chrome_trace(trace_path)
         device = None
         if prof is not None and cuda:
-            device = device_idle([(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
-                                  if ev.device_type == torch.autograd.DeviceType.CUDA])
+            device = device_idle([(ev.time_range.start, ev.time_range.end, ev.name) for ev in device_events(prof)])
         return ProfileResult(stage_table(stages.samples), run, window, trace_path, device)
     finally:
         manager.close()
@@ -314,12 +318,11 @@ def profile_decode_step(engine, batch_sizes: list[int], context_len: int = DEFAU
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 runner.rerun_decode(batch, max_context, eager=True)
                 torch.cuda.synchronize(engine.device)
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    k = kernels.setdefault(ev.name, [0, 0.0])
-                    k[0] += 1
-                    k[1] += ev.device_time
-                    launches.append((ev.time_range.start, ev.name, ev.device_time))
+            for ev in device_events(prof):
+                k = kernels.setdefault(ev.name, [0, 0.0])
+                k[0] += 1
+                k[1] += ev.device_time
+                launches.append((ev.time_range.start, ev.name, ev.device_time))
         rows = sorted(((name, n, us) for name, (n, us) in kernels.items()), key=lambda r: -r[2])
         layer = layer_program([(name, us) for _, name, us in sorted(launches, key=lambda e: e[0])],
                               engine.loaded.model.num_layers)

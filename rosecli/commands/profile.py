@@ -102,8 +102,8 @@ def _decode_step(decode_step: bool, batch_sizes: Optional[str], contexts_text: O
     from rosecli.engine.errors import ConfigError
 
     if not decode_step:
-        flag = "--decode-batch-sizes" if batch_sizes is not None else "--decode-contexts"
-        raise ConfigError(f"{flag} applies only with --decode-step")
+        given = "--decode-batch-sizes" if batch_sizes is not None else "--decode-contexts"
+        raise ConfigError(f"{given} applies only with --decode-step")
     sizes = decode_batch_sizes(batch_sizes, config.max_batch_size)
     contexts = decode_contexts(contexts_text, input_len)
     if config.device == "cpu" or not torch.cuda.is_available():

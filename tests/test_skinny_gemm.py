@@ -375,7 +375,9 @@ def test_tma_launches_the_sweep_measured():
     assert [skinny_launch(r, 2048, 1536) for r in (8, 24, 64)] == [tma(64, 128, 2, 4, 6)] + [tma(64, 128, 1, 4, 6)] * 2
     assert [skinny_launch(r, 2048, 2048) for r in (16, 32, 40)] == [tma(64, 128, 2, 4, 6)] * 2 + [tma(64, 128, 1, 4, 6)]
     assert skinny_launch(16, 3072, 2048) == skinny_launch(16, 6144, 4096) == tma(64, 128, 1, 4, 6)
-    assert [skinny_launch(r, 1536, 8960) for r in (16, 64)] == [tma(64, 128, 4, 4, 4), tma(64, 128, 4, 8, 4)]
+    # Qwen2.5-1.5B's down in 96 programs streams more a program (6 stages; 5 in 8 warps), the 1B's in 128 does not
+    assert [skinny_launch(r, 1536, 8960) for r in (16, 64)] == [tma(64, 128, 4, 4, 6), tma(64, 128, 4, 8, 5)]
+    assert [skinny_launch(r, 2048, 8192) for r in (16, 64)] == [tma(64, 128, 4, 4, 4), tma(64, 128, 4, 8, 4)]
     assert skinny_launch(64, 4096, 14336) == skinny_launch(4, 4096, 14336) == tma(64, 128, 2, 4, 6)
     assert [skinny_launch(r, 3072, 3072) for r in (16, 24)] == [tma(64, 128, 2, 4, 6), tma(64, 128, 1, 4, 6)]
 

@@ -196,7 +196,14 @@ def tma_launch(rows: int, n: int, k: int, swiglu: bool) -> "SkinnyLaunch | None"
     these launches, one call, us): Qwen2.5-1.5B 1,572.1 -> 1,396.5, 1,547.6 -> 1,434.3, 1,612.6 -> 1,491.1, 1,722.9
     -> 1,643.5; Llama-3.2-1B 1,004.5 -> 929.1, 1,057.3 -> 978.5, 1,111.1 -> 1,041.9, 1,183.8 -> 1,146.0; Llama-3.1-8B
     4,339.7 -> 4,208.3, 4,539.5 -> 4,355.9, 4,726.1 -> 4,517.3, 5,076.3 -> 4,984.0 (the 1B and Qwen twice,
-    alternating, within 7 us)."""
+    alternating, within 7 us).
+    A down projection split in fewer than 128 programs (Qwen2.5-1.5B's, 24 column tiles x 4) keeps more tiles in flight
+    a program: 6 stages, and 5 in 8 warps at 33-64 rows (where 6 measured 0.7% slower in the whole step, the down
+    kernel alone the same). Whole steps against 4 stages (`rose profile --decode-step`, alternating twice in one call,
+    H200, us): Qwen2.5-1.5B at 4 / 16 / 32 / 64 rows 1,345.8 / 1,363.5 / 1,429.1 / 1,592.2 -> 1,322.1 / 1,341.4 /
+    1,404.1 / 1,568.6 (-1.4 to -1.8%; the down 13.1 -> 12.4 us at 64 rows). The 1B's down in 128 programs went slower
+    with 6 (1,003.2 -> 1,010.5 at 32 rows, 1,117.6 -> 1,122.5 at 64) and 7 stages; more programs (5-6 splits, or
+    128-column tiles in 8-10) or 8 warps at 16-32 rows were slower for Qwen's."""
     if not TMA_GEMM:
         return None
     if swiglu:
@@ -204,7 +211,9 @@ def tma_launch(rows: int, n: int, k: int, swiglu: bool) -> "SkinnyLaunch | None"
     tiles = -(-n // 64)
     if k >= 3 * n:  # a down projection: split K so about 128 programs run
         split = max(1, min(4, 1 << ((128 // tiles).bit_length() - 1)))
-        return SkinnyLaunch(64, 128, split, 8 if split >= 4 and rows > 32 else 4, 4 if split >= 4 else 6, True)
+        wide = split >= 4 and rows > 32  # 8 warps
+        stages = 4 if split >= 4 and tiles * split >= 128 else 5 if wide else 6  # fewer programs: more in flight each
+        return SkinnyLaunch(64, 128, split, 8 if wide else 4, stages, True)
     bucket = 0 if rows <= 16 else 1 if rows <= 32 else 2
     measured = TMA_SPLITS.get((n, k))
     split = measured[bucket] if measured is not None else 2 if bucket == 0 and tiles <= 64 else 1

@@ -46,6 +46,24 @@ def test_device_idle_counts_overlapping_operations_once_and_names_each_gaps_neig
     assert device_idle([(0.0, 5.0, "k"), (1.0, 2.0, "j")]).gaps == [] and device_idle([]) is None
 
 
+def test_device_events_are_the_devices_work_not_the_stage_ranges_mirrored_on_its_timeline():
+    """A stage's ``record_function`` range shows on the GPU timeline too (W4's trace named ``scheduler_step`` beside
+    the copies): counted as work, it would hide the idle time it spans."""
+    from types import SimpleNamespace
+
+    from rosecli.bench.profile import device_events, device_idle
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, s, e, dev=cuda, ann=False: SimpleNamespace(  # noqa: E731
+        name=name, device_type=dev, is_user_annotation=ann, time_range=SimpleNamespace(start=s, end=e))
+    prof = SimpleNamespace(events=lambda: [ev("scheduler_step", 0.0, 100.0, ann=True), ev("HtoD", 0.0, 2.0),
+                                           ev("embed", 50.0, 60.0), ev("decode_forward", 0.0, 100.0, cpu)])
+    events = device_events(prof)
+    assert [e.name for e in events] == ["HtoD", "embed"]
+    d = device_idle([(e.time_range.start, e.time_range.end, e.name) for e in events])
+    assert d.gaps == [(48.0, "HtoD", "embed")]
+
+
 def test_stage_table_shares():
     rows = stage_table({"scheduler_step": [1000, 1000], "decode_forward": [600, 700], "detokenize_fanout": [500]})
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-9
@@ -180,7 +198,9 @@ def test_profile_with_a_torch_trace_says_where_the_device_sat_idle(cache_dir, tm
     m = re.search(r"Device \(torch trace\): busy ([0-9.]+) ms of ([0-9.]+) ms \(([0-9.]+)%\), idle in ([0-9,]+) gaps",
                   r.output)
     assert m and 0 < float(m[1]) <= float(m[2]) and 0 < float(m[3]) <= 100, r.output
-    assert re.search(r"\s+[0-9.]+ ms\s+[0-9,]+ x\s+[0-9.]+ us  \S.* -> \S", r.output), r.output
+    pairs = re.findall(r"\s+[0-9.]+ ms\s+[0-9,]+ x\s+[0-9.]+ us  (\S.*) -> (\S.*)", r.output)
+    assert pairs, r.output
+    assert not {"scheduler_step", "decode_forward"} & {n.strip() for p in pairs for n in p}, r.output  # not work
 
 
 @pytest.mark.gpu

@@ -50,8 +50,10 @@ class DeviceIdle:
 
 
 def device_events(prof) -> list:
-    """The torch profiler's events that ran on the device (kernels, copies, memsets), in the order it lists them."""
-    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    """The torch profiler's events that ran on the device (kernels, copies, memsets), in the order it lists them; not
+    the ``record_function`` ranges (the engine's stages) it mirrors on the device's timeline, which span idle time."""
+    return [ev for ev in prof.events()
+            if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False)]
 
 
 def device_idle(ops: list[tuple[float, float, str]]) -> Optional[DeviceIdle]:

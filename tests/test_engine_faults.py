@@ -233,6 +233,26 @@ def test_abort_frees_blocks_within_a_step_while_others_run(engine, monkeypatch):
         manager.close()
 
 
+def test_a_request_aborted_as_it_ends_is_forgotten(engine):
+    """The server aborts the choices its client left behind; one whose END was already on its way is not taken
+    by anyone either: the manager keeps no record of it."""
+    import queue
+
+    from rosecli.engine.streaming import END
+
+    manager = StreamingManager(engine)
+    try:
+        sink = queue.SimpleQueue()
+        rid = manager.add_request([5, 6, 7], SamplingParams(max_new_tokens=2, **GREEDY), sink=sink)
+        while sink.get(timeout=30)[1] is not END:
+            pass
+        assert manager.abort(rid) is False
+        with pytest.raises(KeyError):
+            manager.take_output(rid)
+    finally:
+        manager.close()
+
+
 def test_engine_death_ends_every_waiting_consumer_and_call(engine, monkeypatch):
     entered, release = threading.Event(), threading.Event()
 

@@ -123,6 +123,10 @@ def test_bad_requests_and_overload_are_answered_in_the_server_process(remote):
     while remote.manager.stats()["kv_blocks_used"] or remote.manager.stats()["running"]:
         assert time.monotonic() < deadline, remote.manager.stats()
         time.sleep(0.05)
+    # nor does the server's side keep the outputs of the requests it aborted (nobody takes them)
+    while remote.manager._outputs:
+        assert time.monotonic() < deadline, list(remote.manager._outputs)
+        time.sleep(0.05)
 
 
 def test_a_dead_engine_process_is_reported_and_ends_every_stream(cache_dir):

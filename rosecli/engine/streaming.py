@@ -298,10 +298,14 @@ class StreamingManager:
     def abort(self, rid: int) -> bool:
         """Discard request ``rid`` (its consumer went away); safe from any thread, returns at once.
         The worker frees its KV blocks before its next step and ends its stream with
-        ``finish_reason`` "abort". Returns False when the request is unknown or already ended."""
+        ``finish_reason`` "abort". Returns False when the request is unknown or already ended (then it is
+        forgotten: whoever aborts a request does not take its output)."""
         with self._lock:
             req = self._requests.get(rid)
-            if req is None or req.done.is_set() or req.abandoned:
+            if req is None or req.abandoned:
+                return False
+            if req.done.is_set():
+                del self._requests[rid]
                 return False
             req.abandoned = True
             self._inbox.append(("discard", rid, req))

@@ -91,6 +91,7 @@ class RemoteManager:
         self._ids = itertools.count()
         self._sinks: dict[int, queue.SimpleQueue] = {}
         self._outputs: dict[int, tuple] = {}  # rid -> (RequestOutput or None, error or None), after END
+        self._aborted: set[int] = set()  # open requests aborted: their outputs are not kept (nobody takes them)
         self._calls: dict[int, list] = {}
         self._call_ids = itertools.count()
         self._inflight = 0
@@ -171,9 +172,13 @@ class RemoteManager:
         return rids
 
     def abort(self, rid: int) -> bool:
+        """Discard request ``rid``: its caller will not take its output (kept neither here nor, once it
+        ends, when it arrives). False when it had ended already."""
         with self._lock:
             if rid not in self._sinks:
+                self._outputs.pop(rid, None)  # its END came before the abort
                 return False
+            self._aborted.add(rid)
         try:
             self._send(("abort", rid))
         except EngineDeadError:
@@ -287,7 +292,10 @@ class RemoteManager:
                 sink = sinks.pop(rid, None)
                 if sink is None:
                     continue
-                self._outputs[rid] = (out, err)
+                if rid in self._aborted:
+                    self._aborted.discard(rid)
+                else:
+                    self._outputs[rid] = (out, err)
                 self._inflight -= 1
             sink.put((rid, END))
 
@@ -296,7 +304,9 @@ class RemoteManager:
             open_ = list(self._sinks.items())
             self._sinks.clear()
             for rid, _ in open_:
-                self._outputs[rid] = (None, error)
+                if rid not in self._aborted:
+                    self._outputs[rid] = (None, error)
+            self._aborted.clear()
             self._inflight = 0
         for rid, sink in open_:
             sink.put((rid, END))

@@ -103,6 +103,10 @@ def test_logprobs_echo_and_n_cross_the_pipe(remote):
         assert "".join(t for x in lp for t in x["tokens"]) == "".join(c["choices"][0]["text"] for c in chunks)
         err = http.post("/v1/completions", json={**body, "n": 65}).json()["error"]  # beyond the batch of 64
         assert err["param"] == "n"
+        batch = http.post("/v1/completions", json={**body, "prompt": ["Tell me", "Say"], "n": 2}).json()
+        assert [c["text"] for c in batch["choices"][:2]] == [c["text"] for c in r["choices"][:2]]  # prompt 0
+        err = http.post("/v1/completions", json={**body, "prompt": ["a"] * 3, "n": 2}).json()["error"]
+        assert err["param"] == "prompt" and "--max-inflight-requests 4" in err["message"]  # 6 could never run
 
 
 def test_bad_requests_and_overload_are_answered_in_the_server_process(remote):

@@ -171,6 +171,47 @@ def test_completion_token_id_prompts(client):
     assert r.usage.completion_tokens == 2
 
 
+def test_a_batch_of_prompts_answers_each_as_alone_in_vllms_order(live, client, http):
+    """/v1/completions with a list of prompts (lm-eval-harness and batch clients send them): choice
+    ``prompt x n + j`` is choice j of that prompt sent alone (seed + j with a seed), the echo is each prompt's,
+    usage counts each prompt once; streamed, the same texts under the same indices."""
+    prompts = ["The quick brown fox", "Once upon a time there", "A list: one, two,"]
+    body = {"model": MODEL, "max_tokens": 5}
+    alone = [client.completions.create(prompt=x, **body, **GREEDY) for x in prompts]
+    r = client.completions.create(prompt=prompts, **body, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) and r.usage.completion_tokens == 15
+    ids = [live.engine.tokenizer.encode(x, add_special_tokens=False) for x in prompts[:2]]
+    body["ignore_eos"] = True
+    r = http.post("/v1/completions", json={**body, "prompt": ids, "n": 2, "temperature": 1.0, "seed": 5,
+                                           "echo": True, "logprobs": 1}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3] and r["usage"]["completion_tokens"] == 20
+    for k, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        one = http.post("/v1/completions", json={**body, "prompt": ids[k], "temperature": 1.0, "seed": 5 + j,
+                                                 "echo": True, "logprobs": 1}).json()["choices"][0]
+        got = r["choices"][2 * k + j]
+        assert got["text"] == one["text"] and got["text"].startswith(prompts[k]), (k, j)
+        assert got["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+    texts: dict = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, stream=True, **GREEDY):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {i: a.choices[0].text for i, a in enumerate(alone)}
+
+
+def test_a_batch_with_a_bad_prompt_runs_none_of_them(live, http):
+    """One prompt the engine refuses (a token id past the vocabulary) fails the whole request with a 400 naming
+    it; the prompts added before it are ended, their KV blocks freed."""
+    err = _bad(http, "/v1/completions", {"model": MODEL, "prompt": [[5, 6, 7] * 30, [1, 10 ** 9]],
+                                         "max_tokens": 300, "ignore_eos": True}, param="prompt[1]")
+    assert err["message"].startswith("prompt[1]: ") and "vocabulary" in err["message"]
+    deadline = time.monotonic() + 5
+    while metrics(http)[("rose_kv_blocks_used", frozenset())] or live.manager.stats()["running"]:
+        assert time.monotonic() < deadline, "the batch's first prompt still runs"
+        time.sleep(0.05)
+
+
 def test_chat_streaming_shape_and_usage(live, client):
     content = "Tell me about the sea."
     full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
@@ -243,7 +284,7 @@ def test_pieces_queued_behind_a_busy_loop_go_out_in_one_write_one_event_each(liv
             q.put_nowait((0, piece))  # (choice index, piece), as the bridge queues them
         q.put_nowait((None, server_app._SHUTDOWN))
         rose.active += 1  # as a request that passed generate(); _stream gives it back
-        choices = server_app._Choices(rose, p.Envelope(False, MODEL), [-1], SamplingParams(), [], None)
+        choices = server_app._Choices(rose, p.Envelope(False, MODEL), [-1], SamplingParams(), [[]], None)
         return [w async for w in rose._stream(choices, q, False, time.perf_counter())]
 
     writes = asyncio.run(collect())
@@ -324,7 +365,9 @@ def test_bad_completion_requests_are_400(http):
         ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
         ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, "top_p"),
         ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", ""]}, "prompt[1]"),
+        ({"model": MODEL, "prompt": [[5, 6], []]}, "prompt[1]"),
+        ({"model": MODEL, "prompt": ["a", [5, 6]]}, "prompt"),
         ({"model": MODEL, "prompt": [1, 2, 10 ** 9]}, "prompt"),
         ({"model": MODEL, "prompt": 123}, "prompt"),
         ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, "max_tokens"),

@@ -292,16 +292,18 @@ async def _wait_disconnect(receive, on_gone: Callable[[], None]) -> None:
 
 
 class _Choices:
-    """The choices of one generation request (``n``): their request ids, which have ended, their
-    outputs, and their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
+    """The choices of one generation request (``n`` for each of its prompts: choice i is choice i % n of prompt
+    i // n, as vLLM numbers a batch of completions prompts): their request ids, which have ended, their outputs, and
+    their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
 
-    def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[int],
-                 echo: Optional[str]):
+    def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[list[int]],
+                 echoes: Optional[list[str]]):
         self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
+        self.n = len(rids) // len(prompt_ids)
         self.ended = [False] * len(rids)
         self.outputs: list = [None] * len(rids)
-        self.echo = echo or None  # the prompt's text, until it is sent
-        self.echoed = [self.echo is None] * len(rids)
+        self.echoes = echoes  # each prompt's text, to send before its choices' first text (``echo``)
+        self.echoed = [echoes is None] * len(rids)
         self.formats = ([p.LogprobsFormat(env.chat, server.token_text()) for _ in rids]
                         if params.logprobs is not None else None)
 
@@ -313,9 +315,10 @@ class _Choices:
         echo = not self.echoed[i]
         self.echoed[i] = True
         if self.formats is None:
-            return (self.echo + text if echo else text), None
+            return (self.echoes[i // self.n] + text if echo else text), None
         if echo:
-            return self.echo + text, self.formats[i](entries, self.prompt_ids, prompt_logprobs)
+            return (self.echoes[i // self.n] + text,
+                    self.formats[i](entries, self.prompt_ids[i // self.n], prompt_logprobs))
         return text, self.formats[i](entries)
 
     def piece_event(self, i: int, piece: str, include_usage: bool) -> str:
@@ -338,8 +341,9 @@ class _Choices:
                               index=i, logprobs=lp)
 
     def usage(self) -> dict:
-        first = self.outputs[0]
-        return p.usage(first.prompt_tokens, sum(o.output_tokens for o in self.outputs), first.cached_tokens)
+        firsts = self.outputs[::self.n]  # each prompt counted once, whatever its n
+        return p.usage(sum(o.prompt_tokens for o in firsts), sum(o.output_tokens for o in self.outputs),
+                       sum(o.cached_tokens for o in firsts))
 
     def response(self) -> dict:
         choices = []
@@ -371,7 +375,7 @@ class _Server:
         # tokenizers release the GIL: a few threads let a short prompt pass a long one
         self.tokenize_pool = ThreadPoolExecutor(min(4, max(2, os.cpu_count() or 1)),
                                                 thread_name_prefix="rose-server-tokenize")
-        limit = engine.config.max_inflight_requests
+        self.max_inflight = limit = engine.config.max_inflight_requests
         self.room: Optional[asyncio.Semaphore] = (asyncio.Semaphore(limit) if overload == "wait" and limit
                                                   else None)
         self.active = 0  # generation requests between arrival and their last byte
@@ -447,25 +451,38 @@ class _Server:
         except RequestError as e:
             raise p.bad_request(str(e), e.param) from None
 
-    async def submit(self, ids: list[int], params: list, prompt_param: str) -> tuple[list[int], asyncio.Queue]:
-        """Hand the request's choices (one `SamplingParams` each) to the manager, whose input
-        processor checks the prompt (a 400 names the field it is about)."""
+    async def submit(self, groups: list[tuple[list[int], list]],
+                     prompt_param: str) -> tuple[list[int], asyncio.Queue]:
+        """Hand the request's prompts, each with its choices (one `SamplingParams` each), to the manager, whose
+        input processor checks each prompt (a 400 names the field it is about, and which prompt of several). All
+        of them are added or none: what was added before one that fails is aborted."""
         self.check_alive()
         if self.closing:
             raise p.shutting_down()
+        total = sum(len(params) for _, params in groups)
+        if self.max_inflight and total > self.max_inflight and len(groups) > 1:
+            raise p.bad_request(f"prompt holds {len(groups)} prompts, {total} requests with n: more than "
+                                f"--max-inflight-requests {self.max_inflight} lets run at once (send fewer a "
+                                "request)", "prompt")
         if self.room is not None:
             await self.room.acquire()
+        rids: list[int] = []
+        at = 0
         try:
             if self.closing:  # the shutdown timeout ran out while this request waited for room
                 raise p.shutting_down()
             while True:
+                rids = []
                 try:
-                    if len(params) == 1:
-                        rids = [self.manager.add_request(ids, params[0], wait=False, sink=self.bridge.sink)]
-                    else:
-                        rids = self.manager.add_choices(ids, params, wait=False, sink=self.bridge.sink)
+                    for at, (ids, params) in enumerate(groups):
+                        if len(params) == 1:
+                            rids.append(self.manager.add_request(ids, params[0], wait=False, sink=self.bridge.sink))
+                        else:
+                            rids += self.manager.add_choices(ids, params, wait=False, sink=self.bridge.sink)
                     break
                 except OverloadedError as e:
+                    self._abort_all(rids)
+                    rids = []
                     if self.overload != "wait":
                         raise p.APIError(429, f"the server is overloaded: {e}", p.RATE_LIMIT, None,
                                          p.RATE_LIMIT_EXCEEDED) from None
@@ -473,15 +490,25 @@ class _Server:
                         raise p.shutting_down() from None
                     await asyncio.sleep(0.005)  # the slot is released just before the END we wait on
         except RequestError as e:
+            self._abort_all(rids)
             self._release_room()
-            raise p.bad_request(str(e), prompt_param if e.param == "prompt" else e.param) from None
+            param = prompt_param if e.param == "prompt" else e.param
+            where = f"prompt[{at}]: " if len(groups) > 1 else ""
+            raise p.bad_request(where + str(e), f"prompt[{at}]" if where and param == "prompt" else param) from None
         except EngineDeadError:
+            self._abort_all(rids)
             self._release_room()
             raise p.engine_dead() from None
         except BaseException:
+            self._abort_all(rids)
             self._release_room()
             raise
         return rids, self.bridge.open(rids, self._release_room if self.room is not None else None)
+
+    def _abort_all(self, rids: list[int]) -> None:
+        """End requests added for an HTTP request that is not going ahead (a later prompt of it failed)."""
+        for rid in rids:
+            self.manager.abort(rid)
 
     def _release_room(self) -> None:
         if self.room is not None:
@@ -527,24 +554,38 @@ class _Server:
         self.check_prompt_chars(req, prompt_param)
         spec, tools = guided.grammar_spec(req, self.tool_format)
         if chat:
-            ids = await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None,
-                                      req.chat_template_kwargs)
+            prompts = None
+            batch = [await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None,
+                                         req.chat_template_kwargs)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:
-            ids = await self.tokenize(self._encode_completion, p.completion_prompt(req))
+            prompts = p.completion_prompts(req)
+            batch = ([await self.tokenize(self._encode_completion, prompts[0])] if len(prompts) == 1 else
+                     list(await asyncio.gather(*(self.tokenize(self._encode_completion, x) for x in prompts))))
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
-        params = p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
-                                   max_tokens=max_tokens, prompt_param=prompt_param, inputs=self.inputs,
-                                   structured=spec)
+        params = []
+        for i, ids in enumerate(batch):
+            try:
+                params.append(p.sampling_params(req, len(ids), self.max_model_len, default_max_tokens=default_max,
+                                                max_tokens=max_tokens, prompt_param=prompt_param,
+                                                inputs=self.inputs, structured=spec))
+            except p.APIError as e:
+                if len(batch) > 1:  # which prompt of the batch
+                    e.message = f"prompt[{i}]: {e.message}"
+                raise
         if tools is not None and req.num_choices > 1:
             raise p.bad_request("n must be 1 with tools: one tool-call message is returned", "n")
         if spec is not None:
             await self.compile_grammar(spec)
-        rids, q = await self.submit(ids, p.choice_params(params, req.num_choices), prompt_param)
+        rids, q = await self.submit([(ids, p.choice_params(pr, req.num_choices)) for ids, pr in zip(batch, params)],
+                                    prompt_param)
         env = p.Envelope(chat, req.model or self.model_name)
-        out = _Choices(self, env, rids, params, ids, getattr(req, "echo", False) and self._echo_text(req, ids))
+        echoes = None
+        if getattr(req, "echo", False):
+            echoes = [x if isinstance(x, str) else self.inputs.tokenizer.decode(ids) for x, ids in zip(prompts, batch)]
+        out = _Choices(self, env, rids, params[0], batch, echoes)
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
@@ -553,10 +594,6 @@ class _Server:
                                      media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, out, q, arrival, headers, tools)
-
-    def _echo_text(self, req: p.CompletionRequest, ids: list[int]) -> str:
-        prompt = p.completion_prompt(req)
-        return prompt if isinstance(prompt, str) else self.inputs.tokenizer.decode(ids)
 
     def token_text(self):
         if self._token_text is None:

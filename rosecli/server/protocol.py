@@ -355,22 +355,19 @@ class ChatCompletionRequest(SamplingRequest):
 
 # --- turning a request into engine inputs -----------------------------------------------------
 
-def completion_prompt(req: CompletionRequest) -> Union[str, list[int]]:
-    """The one prompt of a completions request: text, or token ids."""
+def completion_prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
+    """The prompts of a completions request: one (text, or token ids) or a batch of them (a list of texts or of
+    token-id lists), each generated as its own request."""
     p = req.prompt
-    if isinstance(p, list):
-        if not p:
-            raise bad_request("prompt is empty: give a string or a list of token ids", "prompt")
-        if isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request(f"prompt holds {len(p)} prompts: this server takes one prompt per request "
-                                  "(send them as separate requests)", "prompt")
-            p = p[0]
     if isinstance(p, list) and not p:
         raise bad_request("prompt is empty: give a string or a list of token ids", "prompt")
-    if isinstance(p, str) and not p:
-        raise bad_request("prompt is empty: give at least one token of text", "prompt")
-    return p
+    prompts = list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+    for i, x in enumerate(prompts):
+        where = f"prompt[{i}]" if len(prompts) > 1 else "prompt"
+        if not x:
+            raise bad_request(f"{where} is empty: give " + ("at least one token of text" if isinstance(x, str)
+                                                            else "a string or a list of token ids"), where)
+    return prompts
 
 
 def _context_exceeded(message: str, param: str) -> APIError:
@@ -475,7 +472,8 @@ def logit_bias(wire: Optional[dict[str, float]]) -> dict[int, float]:
 
 
 def prompt_chars(req: SamplingRequest) -> int:
-    """Characters of text the prompt holds (chat: every message's text), counted before tokenizing."""
+    """Characters of text the prompt holds (chat: every message's text; a batch of prompts: its longest), counted
+    before tokenizing."""
     if isinstance(req, ChatCompletionRequest):
         total = 0
         for m in req.messages:
@@ -487,7 +485,7 @@ def prompt_chars(req: SamplingRequest) -> int:
     p = req.prompt
     if isinstance(p, str):
         return len(p)
-    return sum(len(x) for x in p if isinstance(x, str))
+    return max((len(x) for x in p if isinstance(x, str)), default=0)  # a batch: each prompt is a request
 
 
 # --- the request body -------------------------------------------------------------------------

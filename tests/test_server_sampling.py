@@ -153,9 +153,33 @@ COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end"),
                                       ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                       ("tool_choice", "required"), ("parallel_tool_calls", False)]
 CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True),
-                                 ("add_generation_prompt", False), ("continue_final_message", True),
                                  ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"add_generation_prompt": False}),
                                  ("documents", [{"text": "d"}])]
+
+
+def test_a_prefilled_assistant_answer_is_continued(live, http):
+    """vLLM's ``continue_final_message`` with ``add_generation_prompt: false``: the prompt ends inside the
+    assistant's message (no end of turn after it) and the reply is what follows, as the same ids sent to
+    /v1/completions give; with the generation prompt left on, or a last message not the assistant's, a 400."""
+    msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+    ids = live.engine.inputs.tokenizer.apply_chat_template(msgs, continue_final_message=True, return_dict=False)
+    closed = live.engine.inputs.tokenizer.apply_chat_template(msgs, return_dict=False)
+    assert ids == closed[:len(ids)] and len(closed) > len(ids)  # the template's end of turn is left off
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = post(http, "chat", False, messages=msgs, continue_final_message=True, add_generation_prompt=False, **greedy)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    for stream in (False, True):
+        chat = post(http, "chat", stream, messages=msgs, continue_final_message=True, add_generation_prompt=False,
+                    **greedy)
+        assert text_of(chat, "chat", stream) == text_of(post(http, "completions", False, prompt=ids, **greedy),
+                                                        "completions", False)
+    _refused(post(http, "chat", False, messages=msgs, continue_final_message=True), "add_generation_prompt")
+    _refused(post(http, "chat", False, messages=msgs[:1], continue_final_message=True, add_generation_prompt=False),
+             "messages")
+    opened = post(http, "chat", False, messages=msgs[:1], add_generation_prompt=False, **greedy)
+    assert opened.status_code == 200 and opened.json()["usage"]["prompt_tokens"] == len(
+        live.engine.inputs.tokenizer.apply_chat_template(msgs[:1], return_dict=False))
 
 
 def test_chat_template_kwargs_reach_the_template(live, http, monkeypatch):

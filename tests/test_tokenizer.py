@@ -306,6 +306,17 @@ def test_chat_template(pair):
         # what llm.py and the server call
         assert ours.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"] == \
                list(ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)["input_ids"])
+    # an assistant answer left open (vLLM's continue_final_message: a prefilled reply), with a template that keeps
+    # the message's trailing space and one that strips it
+    for prefill in ("Sure, here", "Sure, here ", "  Well\n", "café 😀"):
+        conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": prefill}]
+        for tokenize in (True, False):
+            _same_outcome(lambda: ours.apply_chat_template(conv, continue_final_message=True, tokenize=tokenize,
+                                                           return_dict=False),
+                          lambda: ref.apply_chat_template(conv, continue_final_message=True, tokenize=tokenize,
+                                                          return_dict=False))
+        assert ours.apply_chat_template(conv, continue_final_message=True, tokenize=False).rstrip().endswith(
+            prefill.strip())
     # a batch of conversations, and the empty conversation
     assert ours.apply_chat_template(CONVERSATIONS[:3], tokenize=False) == \
            ref.apply_chat_template(CONVERSATIONS[:3], tokenize=False)
@@ -346,8 +357,9 @@ def test_chat_template_features(built_dirs):
                      "{{ messages | tojson(indent=1, sort_keys=True) }}", "{{ ''.__class__.__mro__ }}",
                      "{{ unk_token }}{{ pad_token }}{{ add_generation_prompt }}"]:
         both(base, chat_template=template, add_generation_prompt=True)
+    both(base[:-1], continue_final_message=True)  # the assistant's "  hello  " left open
     with pytest.raises(NotImplementedError):
-        ours.apply_chat_template(base, continue_final_message=True)
+        ours.apply_chat_template(base, continue_final_message="reasoning_content")
     # a tokenizer without a chat template
     bert = built_dirs["bert_dir"]
     b_ours, b_ref = loader._tokenizer(bert), PreTrainedTokenizerFast.from_pretrained(str(bert))

@@ -49,16 +49,22 @@ class InputProcessor:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
     def chat(self, messages: Union[str, list[dict]], tools: Optional[list[dict]] = None,
-             template_kwargs: Optional[dict] = None) -> list[int]:
+             template_kwargs: Optional[dict] = None, continue_final_message: bool = False,
+             add_generation_prompt: bool = True) -> list[int]:
         """The chat template applied to ``messages`` (a string is one user message) and ``tools``
         (OpenAI's function definitions, for a template that shows them), with the generation
         prompt; a template that refuses the messages is a RequestError. ``template_kwargs``: more
-        variables for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen 3's ``enable_thinking``)."""
+        variables for the template (vLLM's ``chat_template_kwargs``, e.g. Qwen 3's ``enable_thinking``).
+        ``continue_final_message`` (vLLM's, with ``add_generation_prompt`` False): the last message, the
+        assistant's, left open for the model to go on with (a prefilled answer)."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         try:
             kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kw)
+            if continue_final_message:
+                kw["continue_final_message"] = True
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, **kw)
         except Exception as e:
             # A template may refuse a conversation on purpose (raise_exception, a TemplateError whose
             # message is written for the user); anything else is the template tripping over what

@@ -461,11 +461,13 @@ class Tokenizer:
                             chat_template: Optional[str] = None, add_generation_prompt: bool = False,
                             continue_final_message: Union[bool, str] = False, tokenize: bool = True,
                             return_dict: bool = True, **kwargs):
-        """transformers' apply_chat_template without padding, truncation, tensors, assistant masks,
-        control-token sanitizing or continue_final_message. As in transformers 5, ``tokenize=True``
-        returns a dict (``input_ids``, ``attention_mask``) unless ``return_dict=False``."""
-        if continue_final_message:
-            raise NotImplementedError("continue_final_message needs transformers' tokenizer")
+        """transformers' apply_chat_template without padding, truncation, tensors, assistant masks or
+        control-token sanitizing, and ``continue_final_message`` for the message's content only (not a reasoning
+        field). As in transformers 5, ``tokenize=True`` returns a dict (``input_ids``, ``attention_mask``) unless
+        ``return_dict=False``."""
+        if continue_final_message not in (False, True, "content"):
+            raise NotImplementedError("continue_final_message on a field other than content needs transformers' "
+                                      "tokenizer")
         for key in ("return_assistant_tokens_mask", "sanitize_control_tokens", "padding", "truncation",
                     "max_length", "return_tensors", "tokenizer_kwargs"):
             if kwargs.get(key):
@@ -482,7 +484,7 @@ class Tokenizer:
         conversations = [[{k: v for k, v in msg.items() if v is not None} for msg in getattr(c, "messages", c)]
                          for c in conversations]
         rendered = render(conversations, template, tools, documents, add_generation_prompt,
-                          {**self.special_tokens_map, **kwargs})
+                          {**self.special_tokens_map, **kwargs}, bool(continue_final_message))
         text = rendered if batched else rendered[0]
         if not tokenize:
             return text
@@ -539,8 +541,44 @@ def _alias_reasoning_fields(chat: list) -> list:
     return out
 
 
+_OPEN_END = "ROSE_CONTINUE_HERE "  # marks the end of the message to continue (``continue_final_message``)
+
+
+def _mark_open_end(chat: list[dict], chat_template: str) -> str:
+    """Put `_OPEN_END` after the last message's text (its content, or its last text block); returns that text."""
+    if not chat:
+        raise ValueError("continue_final_message is set but the conversation is empty!")
+    last = chat[-1]
+    content = last.get("content")
+    if content is None:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+    if "content" not in chat_template:
+        raise ValueError('continue_final_message is set to "content" but this is not an accepted field in the '
+                         "chat_template")
+    if isinstance(content, str):
+        last["content"] = content + _OPEN_END
+        return content
+    for block in reversed(content):
+        if isinstance(block, dict) and "text" in block:
+            text = block["text"]
+            block["text"] = text + _OPEN_END
+            return text
+    raise ValueError("continue_final_message is set but we could not find any text to continue in the final message!")
+
+
+def _cut_at_open_end(rendered: str, text: str) -> str:
+    """The rendered chat up to the end of the continued message's text (a template that strips the message's
+    trailing space drops the marker's too: then the spaces before the cut go as well)."""
+    mark = _OPEN_END.strip()
+    if text.strip() not in rendered or mark not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
+                         "applying the chat template (the template deletes part of it)")
+    at = rendered.rindex(mark)
+    return rendered[:at] if rendered.startswith(_OPEN_END, at) else rendered[:at].rstrip()
+
+
 def render(conversations: list, chat_template: str, tools: Optional[list], documents: Optional[list],
-           add_generation_prompt: bool, template_kwargs: dict) -> list[str]:
+           add_generation_prompt: bool, template_kwargs: dict, continue_final_message: bool = False) -> list[str]:
     compiled = _compile(chat_template)
     if tools is not None:
         schemas = []
@@ -569,8 +607,10 @@ def render(conversations: list, chat_template: str, tools: Optional[list], docum
             if not isinstance(message, dict):
                 raise TypeError(f"Chat messages should be dicts, dataclasses or pydantic models, but got {message!r}.")
         chat = _alias_reasoning_fields(chat)
-        rendered.append(compiled.render(messages=chat, tools=tools, documents=documents,
-                                        add_generation_prompt=add_generation_prompt, **template_kwargs))
+        text = _mark_open_end(chat, chat_template) if continue_final_message else None
+        out = compiled.render(messages=chat, tools=tools, documents=documents,
+                              add_generation_prompt=add_generation_prompt, **template_kwargs)
+        rendered.append(out if text is None else _cut_at_open_end(out, text))
     return rendered
 
 

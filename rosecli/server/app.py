@@ -418,13 +418,15 @@ class _Server:
     def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
         return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None,
-                     template_kwargs: Optional[dict] = None) -> list[int]:
+    def _encode_chat(self, messages: list[dict], tools: Optional[list] = None, template_kwargs: Optional[dict] = None,
+                     continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
         if not self.inputs.has_chat_template:
             raise p.bad_request(f"the model {self.model_name} has no chat template: use /v1/completions",
                                 "messages")
         try:
-            return self.inputs.chat(messages, tools=tools or None, template_kwargs=template_kwargs)
+            return self.inputs.chat(messages, tools=tools or None, template_kwargs=template_kwargs,
+                                    continue_final_message=continue_final_message,
+                                    add_generation_prompt=add_generation_prompt)
         except RequestError as e:
             if e.__cause__ is not None:
                 log.info("the chat template failed on a request's messages: %s: %s",
@@ -556,7 +558,8 @@ class _Server:
         if chat:
             prompts = None
             batch = [await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None,
-                                         req.chat_template_kwargs)]
+                                         req.chat_template_kwargs, req.continue_final_message,
+                                         req.add_generation_prompt)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM
         else:

@@ -169,8 +169,6 @@ REFUSED: dict[str, tuple] = {
     "return_token_ids": (_is(False), "this server returns text only"),
     "add_special_tokens": (_is(False), "this server tokenizes prompts without special tokens (chat: the "
                                        "template adds its own)"),
-    "add_generation_prompt": (_is(True), "this server always adds the template's generation prompt"),
-    "continue_final_message": (_is(False), "this server always starts a new assistant message"),
     "chat_template": (_unset, "this server uses the model's own chat template"),
     "chat_template_kwargs": (_is({}), "there is no chat template on /v1/completions"),
     "documents": (_unset, "this server passes nothing else to the chat template"),
@@ -314,6 +312,8 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: variables for the template (enable_thinking ...)
+    add_generation_prompt: bool = True  # vLLM's: False with continue_final_message (a prefilled assistant answer)
+    continue_final_message: bool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -328,6 +328,14 @@ class ChatCompletionRequest(SamplingRequest):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not self.messages:
             raise bad_request("messages must hold at least one message", "messages")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise bad_request("continue_final_message: true continues the last message instead of starting "
+                                  "one: send add_generation_prompt: false with it", "add_generation_prompt")
+            if self.messages[-1].role != "assistant":
+                raise bad_request(f"continue_final_message: true continues the last of the messages, which must "
+                                  f"be the assistant's (messages[{len(self.messages) - 1}] is "
+                                  f"{self.messages[-1].role!r})", "messages")
 
     def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
         return (self.top_logprobs or 0) if self.logprobs else None, None

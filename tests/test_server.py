@@ -19,6 +19,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+import rosecli
 from rosecli.engine.config import EngineConfig, SamplingParams
 from rosecli.engine.llm import LLMEngine
 from rosecli.engine.streaming import StreamingManager
@@ -210,6 +211,33 @@ def test_a_batch_with_a_bad_prompt_runs_none_of_them(live, http):
     while metrics(http)[("rose_kv_blocks_used", frozenset())] or live.manager.stats()["running"]:
         assert time.monotonic() < deadline, "the batch's first prompt still runs"
         time.sleep(0.05)
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(live, client, http):
+    """vLLM's /tokenize counts what the generation endpoints would feed the model (a prompt as /v1/completions
+    tokenizes it, messages through the chat template), /detokenize turns ids back into text, /version names the
+    build; bad bodies are 400s naming the field."""
+    prompt = "The quick brown fox"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, **GREEDY).usage.prompt_tokens
+    assert r["count"] == len(r["tokens"]) == used and r["max_model_len"] == live.engine.max_model_len
+    assert r["token_strs"] is None
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": prompt}
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat = http.post("/tokenize", json={"messages": msgs, "return_token_strs": True}).json()
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, **GREEDY).usage.prompt_tokens
+    assert chat["count"] == used and chat["token_strs"] == live.engine.tokenizer.convert_ids_to_tokens(chat["tokens"])
+    bare = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat["tokens"][:bare["count"]] and bare["count"] < chat["count"]
+    assert http.get("/version").json()["version"] == rosecli.__version__
+    _bad(http, "/tokenize", {"prompt": "a", "messages": msgs}, param="prompt")
+    _bad(http, "/tokenize", {"model": MODEL}, param="prompt")
+    _bad(http, "/tokenize", {"messages": []}, param="messages")
+    _bad(http, "/tokenize", {"messages": msgs, "continue_final_message": True, "add_generation_prompt": False},
+         param="messages")
+    _bad(http, "/tokenize", {"prompt": "a", "model": "gpt-4"}, status=404, param="model")
+    _bad(http, "/detokenize", {"tokens": [1, 10 ** 9]}, param="tokens")
+    _bad(http, "/detokenize", {"tokens": "abc"}, param="tokens")
 
 
 def test_chat_streaming_shape_and_usage(live, client):

@@ -21,6 +21,7 @@ running ones finish for the shutdown timeout, then ends each one still open with
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rosecli import __version__ as rosecli_version
 from rosecli.engine.errors import OverloadedError, RequestError, RoseError
 from rosecli.engine.logprobs import TokenText
 from rosecli.engine.streaming import END, EngineDeadError
@@ -598,6 +600,33 @@ class _Server:
                                      headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, out, q, arrival, headers, tools)
 
+    # --- /tokenize, /detokenize (vLLM's) -----------------------------------------------------
+    async def tokenize_body(self, request: Request) -> dict:
+        """The ids a prompt or a conversation becomes, as the generation endpoints tokenize them."""
+        req = p.parse_body(await request.body(), p.TokenizeRequest)
+        self.check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            ids = await self.tokenize(self._encode_chat, p.template_messages(req.messages), req.tools,
+                                      req.chat_template_kwargs, req.continue_final_message, req.add_generation_prompt)
+        elif req.add_special_tokens:
+            ids = await self.tokenize(functools.partial(self.inputs.tokenizer.encode, add_special_tokens=True),
+                                      req.prompt)
+        else:
+            ids = await self.tokenize(self.inputs.encode, req.prompt)
+        ids = list(ids)
+        strs = self.inputs.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize_body(self, request: Request) -> dict:
+        req = p.parse_body(await request.body(), p.DetokenizeRequest)
+        self.check_model(req.model)
+        try:
+            self.inputs.check_token_ids(req.tokens, "tokens")
+        except RequestError as e:
+            raise p.bad_request(str(e), "tokens") from None
+        return {"prompt": await self.tokenize(self.inputs.tokenizer.decode, req.tokens)}
+
     def token_text(self):
         if self._token_text is None:
             self._token_text = TokenText(self.inputs.tokenizer)
@@ -936,6 +965,18 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await server.generate(request, p.ChatCompletionRequest, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await server.tokenize_body(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await server.detokenize_body(request)
+
+    @app.get("/version")
+    async def version():
+        return {"version": rosecli_version}
 
     @app.get("/v1/models")
     async def models():

@@ -317,48 +317,95 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        for key in self.chat_template_kwargs or ():
-            if key in TEMPLATE_OWN_ARGS:
-                raise unsupported(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from the request's "
-                                  "own fields)", f"chat_template_kwargs.{key}")
+        check_template_fields(self)
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
                               "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if not self.messages:
-            raise bad_request("messages must hold at least one message", "messages")
-        if self.continue_final_message:
-            if self.add_generation_prompt:
-                raise bad_request("continue_final_message: true continues the last message instead of starting "
-                                  "one: send add_generation_prompt: false with it", "add_generation_prompt")
-            if self.messages[-1].role != "assistant":
-                raise bad_request(f"continue_final_message: true continues the last of the messages, which must "
-                                  f"be the assistant's (messages[{len(self.messages) - 1}] is "
-                                  f"{self.messages[-1].role!r})", "messages")
 
     def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def template_messages(self) -> list[dict]:
-        """Messages as the chat template wants them: content a string (text parts joined)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise unsupported(f"messages[{i}]: content part of type {part.type!r} is not supported "
-                                          "(text only)", f"messages[{i}].content")
-                    texts.append(part.text)
-                d["content"] = "".join(texts)
-            elif m.content is None:
-                d["content"] = ""
-            if isinstance(d.get("tool_calls"), list):
-                d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
-            out.append(d)
-        return out
+        return template_messages(self.messages)
+
+
+def check_template_fields(req) -> None:
+    """The fields a chat body (or /tokenize's) gives the template: at least one message, template variables that
+    are not the server's own, and ``continue_final_message`` only without the generation prompt and after the
+    assistant's message."""
+    for key in req.chat_template_kwargs or ():
+        if key in TEMPLATE_OWN_ARGS:
+            raise unsupported(f"chat_template_kwargs.{key}: the server sets {key!r} itself (from the request's "
+                              "own fields)", f"chat_template_kwargs.{key}")
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message: true continues the last message instead of starting "
+                              "one: send add_generation_prompt: false with it", "add_generation_prompt")
+        if req.messages[-1].role != "assistant":
+            raise bad_request(f"continue_final_message: true continues the last of the messages, which must "
+                              f"be the assistant's (messages[{len(req.messages) - 1}] is "
+                              f"{req.messages[-1].role!r})", "messages")
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template wants them: content a string (text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise unsupported(f"messages[{i}]: content part of type {part.type!r} is not supported "
+                                      "(text only)", f"messages[{i}].content")
+                texts.append(part.text)
+            d["content"] = "".join(texts)
+        elif m.content is None:
+            d["content"] = ""
+        if isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
+        out.append(d)
+    return out
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a completions ``prompt``, or chat ``messages`` with the fields that shape what the
+    chat template renders."""
+    model_config = _STRICT
+    _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Optional[list[dict[str, Any]]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give either prompt (text, tokenized as /v1/completions does) or messages (through "
+                              "the chat template, as /v1/chat/completions does)", "prompt")
+        if self.messages is not None:
+            check_template_fields(self)
+            if self.add_special_tokens:
+                raise unsupported("add_special_tokens: true with messages: the chat template adds the model's "
+                                  "special tokens itself (leave add_special_tokens out)", "add_special_tokens")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body: token ids to turn back into text."""
+    model_config = _STRICT
+    _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 # --- turning a request into engine inputs -----------------------------------------------------
@@ -525,7 +572,7 @@ def _find_surrogate(obj: Any) -> Optional[str]:
     return None
 
 
-def parse_body(raw: bytes, model: type[SamplingRequest]) -> SamplingRequest:
+def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
     """The request body as ``model``: strict UTF-8 JSON (no NaN / Infinity literals, no lone
     surrogates), an object, valid against the model; anything else is a 400 naming the field."""
     try:

@@ -341,6 +341,9 @@ def test_stop_string_excluded(client):
 def test_models_and_health(live, http):
     models = live.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert live.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        live.client().models.retrieve("gpt-4")
     assert httpx.get(live.url + "/health").status_code == 200  # no key needed
 
 

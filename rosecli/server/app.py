@@ -982,6 +982,11 @@ def create_app(manager, engine, *, api_key: Optional[str] = None, served_model_n
     async def models():
         return {"object": "list", "data": [p.model_card(server.model_name, server.max_model_len, server.created)]}
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # OpenAI's retrieve (`client.models.retrieve`)
+        server.check_model(model)
+        return p.model_card(server.model_name, server.max_model_len, server.created)
+
     @app.get("/health")
     async def health():
         if not manager.is_alive:

@@ -141,10 +141,10 @@ def _poison_admission(monkeypatch, engine):
 def _poison_stop_check(monkeypatch, engine):
     find = outputs.find_stop
 
-    def failing(text, stops, start):
+    def failing(text, stops, start, keep=False):
         if POISON_STOP in stops and len(text) >= 3:
             raise IndexError("stop-string check failed")
-        return find(text, stops, start)
+        return find(text, stops, start, keep)
 
     monkeypatch.setattr(outputs, "find_stop", failing)
 

@@ -336,6 +336,14 @@ def test_stop_string_excluded(client):
                                             stream=True, **GREEDY))
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output: the stop string that ended the text stays in it, streamed or not
+    kept = text[:text.find(stop) + len(stop)]
+    extra = {"extra_body": {**GREEDY["extra_body"], "include_stop_str_in_output": True}}
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt="Rivers flow to", max_tokens=12, stop=[stop, "\x00"],
+                                      stream=stream, temperature=0, **extra)
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == kept and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_models_and_health(live, http):

@@ -143,7 +143,7 @@ COMMON_REFUSED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
-    ("use_beam_search", True), ("length_penalty", 0.5), ("include_stop_str_in_output", True),
+    ("use_beam_search", True), ("length_penalty", 0.5),
     ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),

@@ -229,7 +229,8 @@ class SamplingParams:
     Semantics are vLLM's: penalties apply to greedy rows too; presence and frequency penalties
     count output tokens, repetition_penalty prompt and output tokens; until ``min_tokens`` tokens
     were generated, EOS and ``stop_token_ids`` cannot be sampled and stop strings do not end the
-    request; ``logit_bias`` is added to the logits before the penalties.
+    request; ``logit_bias`` is added to the logits before the penalties; a stop string that ends the output is
+    left out of its text unless ``include_stop_str_in_output``.
     """
 
     max_new_tokens: int = 128
@@ -240,6 +241,7 @@ class SamplingParams:
     stop_on_eos: bool = True
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -263,6 +265,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         _check(isinstance(self.stop_on_eos, bool), f"stop_on_eos must be true or false, got {self.stop_on_eos!r}")
+        _check(isinstance(self.include_stop_str_in_output, bool),
+               f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.stop, (list, tuple)), f"stop must be a list of strings, got {self.stop!r}")

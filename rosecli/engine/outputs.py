@@ -88,15 +88,16 @@ class _End:
 END = _End()  # the last item of every request's stream
 
 
-def find_stop(text: str, stops: list[str], start: int) -> int:
-    """Where the earliest of ``stops`` that ends after ``text[start:]`` begins begins in ``text``,
-    or -1. Only a stop string that ends in the new text can be new: ``start`` is where it begins."""
-    best = -1
+def find_stop(text: str, stops: list[str], start: int, keep: bool = False) -> int:
+    """Where the earliest of ``stops`` that ends after ``text[start:]`` begins begins in ``text`` (``keep``: where
+    it ends, the stop string kept in the output), or -1. Only a stop string that ends in the new text can be new:
+    ``start`` is where it begins."""
+    best, end = -1, -1
     for s in stops:
         i = text.find(s, max(0, start - len(s) + 1))
         if i >= 0 and (best < 0 or i < best):
-            best = i
-    return best
+            best, end = i, i + len(s)
+    return end if keep else best
 
 
 class RequestState:
@@ -105,12 +106,13 @@ class RequestState:
     __slots__ = ("rid", "params", "stops", "min_tokens", "queue", "sink", "detok", "parts", "unsent", "final_text", "bare",
                  "pending_tokens", "holdback", "prompt_tokens", "output_tokens", "finish_reason", "ts", "done",
                  "abandoned", "cached_tokens", "error", "token_ids", "logprobs", "prompt_logprobs",
-                 "lp_unsent", "plp_unsent")
+                 "lp_unsent", "plp_unsent", "keep_stop")
 
     def __init__(self, rid: int, params, submit: float, sink: Optional[queue.SimpleQueue]):
         self.rid = rid
         self.params = params
         self.stops = params.stop
+        self.keep_stop = getattr(params, "include_stop_str_in_output", False)
         self.min_tokens = getattr(params, "min_tokens", 0)
         self.sink = sink
         self.queue: queue.SimpleQueue = sink if sink is not None else queue.SimpleQueue()
@@ -213,7 +215,7 @@ class OutputProcessor:
                     if req.stops and piece and req.output_tokens > req.min_tokens:
                         start = len(req.unsent)
                         req.unsent += piece
-                        cut = find_stop(req.unsent, req.stops, start)
+                        cut = find_stop(req.unsent, req.stops, start, req.keep_stop)
                         if cut >= 0:
                             req.unsent = req.unsent[:cut]
                             self._finish(req, scheduler.finish_request(req.rid, FinishReason.STOP), now,
@@ -269,7 +271,7 @@ class OutputProcessor:
             if tail:
                 start = len(req.unsent)
                 req.unsent += tail
-                cut = (find_stop(req.unsent, req.stops, start)
+                cut = (find_stop(req.unsent, req.stops, start, req.keep_stop)
                        if req.stops and req.output_tokens > req.min_tokens else -1)
                 if cut >= 0:
                     req.unsent = req.unsent[:cut]

@@ -155,7 +155,6 @@ REFUSED: dict[str, tuple] = {
     "echo": (_is(False), "this server echoes the prompt on /v1/completions only"),
     "use_beam_search": (_is(False), "this server has no beam search"),
     "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
-    "include_stop_str_in_output": (_is(False), "this server leaves stop strings out of the output"),
     "skip_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
     "spaces_between_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
     "truncate_prompt_tokens": (_unset, "this server never truncates a prompt (a prompt too long is a 400)"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False  # vLLM's
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -491,6 +491,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
         params = SamplingParams(max_new_tokens=max_tokens, temperature=float(temperature), top_k=top_k,
                                 top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
                                 stop_token_ids=stop_token_ids, min_tokens=min_tokens,
+                                include_stop_str_in_output=req.include_stop_str_in_output,
                                 logit_bias=logit_bias(req.logit_bias), structured=structured, **extra)
     except ConfigError as e:  # the engine's own checks: their messages begin with the field's name
         name = str(e).split(" ", 1)[0]

@@ -144,7 +144,7 @@ COMMON_REFUSED = [
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5),
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 5),
+    ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
 ]
@@ -180,6 +180,31 @@ def test_a_prefilled_assistant_answer_is_continued(live, http):
     opened = post(http, "chat", False, messages=msgs[:1], add_generation_prompt=False, **greedy)
     assert opened.status_code == 200 and opened.json()["usage"]["prompt_tokens"] == len(
         live.engine.inputs.tokenizer.apply_chat_template(msgs[:1], return_dict=False))
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, http):
+    """vLLM's ``truncate_prompt_tokens``: a prompt longer than the context runs on its last k tokens (-1: the
+    context's worth, less room to generate is the client's to leave), as those ids sent alone do; the echo is
+    what ran. k past the context, 0 or below -1: a 400."""
+    tok = live.engine.inputs.tokenizer
+    long = "The river ran on and on through the valley. " * 200
+    ids = tok.encode(long, add_special_tokens=False)
+    assert len(ids) > live.engine.max_model_len
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = post(http, "completions", False, prompt=long, truncate_prompt_tokens=20, echo=True, **greedy)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    alone = post(http, "completions", False, prompt=ids[-20:], **greedy).json()
+    assert body["usage"]["prompt_tokens"] == 20
+    assert body["choices"][0]["text"] == tok.decode(ids[-20:]) + alone["choices"][0]["text"]
+    msgs = [{"role": "user", "content": long}]
+    chat = post(http, "chat", True, messages=msgs, truncate_prompt_tokens=30, **greedy)
+    assert chat.status_code == 200 and text_of(chat, "chat", True)
+    assert post(http, "completions", False, prompt=long).status_code == 400  # without it: too long
+    short = post(http, "completions", False, prompt="Hi there", truncate_prompt_tokens=50, echo=True, **greedy)
+    assert short.json()["choices"][0]["text"].startswith("Hi there")  # nothing cut
+    for k in (0, -2, live.engine.max_model_len + 1):
+        _refused(post(http, "completions", False, truncate_prompt_tokens=k), "truncate_prompt_tokens")
 
 
 def test_chat_template_kwargs_reach_the_template(live, http, monkeypatch):

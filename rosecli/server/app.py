@@ -555,7 +555,14 @@ class _Server:
         self.check_model(req.model)
         self.check_alive()
         prompt_param = "messages" if chat else "prompt"
-        self.check_prompt_chars(req, prompt_param)
+        keep = req.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise p.bad_request(f"truncate_prompt_tokens ({keep}) must not exceed the model's context of "
+                                    f"{self.max_model_len} tokens", "truncate_prompt_tokens")
+        else:  # (a prompt to be cut to its last tokens may be longer than the context)
+            self.check_prompt_chars(req, prompt_param)
         spec, tools = guided.grammar_spec(req, self.tool_format)
         if chat:
             prompts = None
@@ -570,6 +577,9 @@ class _Server:
                      list(await asyncio.gather(*(self.tokenize(self._encode_completion, x) for x in prompts))))
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
+        cut = [keep is not None and len(ids) > keep for ids in batch]
+        if any(cut):  # vLLM's truncate_prompt_tokens: each prompt's last ``keep`` tokens
+            batch = [ids[-keep:] for ids in batch]
         params = []
         for i, ids in enumerate(batch):
             try:
@@ -589,7 +599,8 @@ class _Server:
         env = p.Envelope(chat, req.model or self.model_name)
         echoes = None
         if getattr(req, "echo", False):
-            echoes = [x if isinstance(x, str) else self.inputs.tokenizer.decode(ids) for x, ids in zip(prompts, batch)]
+            echoes = [x if isinstance(x, str) and not c else self.inputs.tokenizer.decode(ids)
+                      for x, ids, c in zip(prompts, batch, cut)]
         out = _Choices(self, env, rids, params[0], batch, echoes)
         headers = {"x-request-id": env.id}
         if req.stream:

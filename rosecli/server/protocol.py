@@ -157,7 +157,6 @@ REFUSED: dict[str, tuple] = {
     "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
     "skip_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
     "spaces_between_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
-    "truncate_prompt_tokens": (_unset, "this server never truncates a prompt (a prompt too long is a 400)"),
     "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
     "prompt_logprobs": (_unset, "use /v1/completions with echo and logprobs"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False  # vLLM's
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -230,6 +230,10 @@ class SamplingRequest(BaseModel):
             if rule is not None and not rule[0](value):
                 shown = {dict: "{...}", list: "[...]"}.get(type(value)) or json.dumps(value)[:60]
                 raise unsupported(f"{name}={shown} is not supported: {rule[1]} (leave {name} out)", name)
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
+                                                            or self.truncate_prompt_tokens >= 1):
+            raise bad_request(f"truncate_prompt_tokens must be -1 (the model's context) or at least 1, got "
+                              f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 

@@ -144,7 +144,7 @@ COMMON_REFUSED = [
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5),
-    ("skip_special_tokens", False), ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
 ]
@@ -180,6 +180,19 @@ def test_a_prefilled_assistant_answer_is_continued(live, http):
     opened = post(http, "chat", False, messages=msgs[:1], add_generation_prompt=False, **greedy)
     assert opened.status_code == 200 and opened.json()["usage"]["prompt_tokens"] == len(
         live.engine.inputs.tokenizer.apply_chat_template(msgs[:1], return_dict=False))
+
+
+def test_special_tokens_are_in_the_text_only_when_asked(live, http):
+    """vLLM's ``skip_special_tokens: false``: an end-of-turn token the model generates (here forced by logit_bias,
+    past EOS with ignore_eos) is in the text, streamed or not; by default it is left out."""
+    tok = live.engine.inputs.tokenizer
+    eos = tok.eos_token_id
+    forced = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    for endpoint in ("completions", "chat"):
+        for stream in (False, True):
+            assert text_of(post(http, endpoint, stream, **forced), endpoint, stream) == ""
+            shown = text_of(post(http, endpoint, stream, skip_special_tokens=False, **forced), endpoint, stream)
+            assert shown == tok.eos_token * 3, (endpoint, stream, shown)
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(live, http):

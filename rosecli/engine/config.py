@@ -230,7 +230,8 @@ class SamplingParams:
     count output tokens, repetition_penalty prompt and output tokens; until ``min_tokens`` tokens
     were generated, EOS and ``stop_token_ids`` cannot be sampled and stop strings do not end the
     request; ``logit_bias`` is added to the logits before the penalties; a stop string that ends the output is
-    left out of its text unless ``include_stop_str_in_output``.
+    left out of its text unless ``include_stop_str_in_output``; special tokens (end of turn, tool-call markers) are
+    left out of the text unless ``skip_special_tokens`` is False.
     """
 
     max_new_tokens: int = 128
@@ -242,6 +243,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -265,8 +267,8 @@ class SamplingParams:
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
         _check(isinstance(self.stop_on_eos, bool), f"stop_on_eos must be true or false, got {self.stop_on_eos!r}")
-        _check(isinstance(self.include_stop_str_in_output, bool),
-               f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, flag), bool), f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.stop, (list, tuple)), f"stop must be a list of strings, got {self.stop!r}")

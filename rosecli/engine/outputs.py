@@ -168,7 +168,8 @@ class OutputProcessor:
 
     def start(self, req: RequestState, token_ids: list[int]) -> None:
         """The request was admitted with these prompt ids: its text starts here."""
-        req.detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        req.detok = IncrementalDetokenizer(self.tokenizer, token_ids,
+                                           skip_special_tokens=getattr(req.params, "skip_special_tokens", True))
 
     def process(self, tokens: dict[int, int], finished: list[int], now: float,
                 requests: dict[int, RequestState], lock: threading.Lock, logprobs: Optional[dict] = None,

@@ -155,8 +155,7 @@ REFUSED: dict[str, tuple] = {
     "echo": (_is(False), "this server echoes the prompt on /v1/completions only"),
     "use_beam_search": (_is(False), "this server has no beam search"),
     "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
-    "skip_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
-    "spaces_between_special_tokens": (_is(True), "this server always leaves special tokens out of the text"),
+    "spaces_between_special_tokens": (_is(True), "this server decodes special tokens as the tokenizer does"),
     "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
     "prompt_logprobs": (_unset, "use /v1/completions with echo and logprobs"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False  # vLLM's
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
+    skip_special_tokens: bool = True  # vLLM's: False puts special tokens (end of turn ...) in the text
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -496,6 +496,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
                                 top_p=float(top_p), seed=req.seed, stop_on_eos=not req.ignore_eos, stop=stop,
                                 stop_token_ids=stop_token_ids, min_tokens=min_tokens,
                                 include_stop_str_in_output=req.include_stop_str_in_output,
+                                skip_special_tokens=req.skip_special_tokens,
                                 logit_bias=logit_bias(req.logit_bias), structured=structured, **extra)
     except ConfigError as e:  # the engine's own checks: their messages begin with the field's name
         name = str(e).split(" ", 1)[0]

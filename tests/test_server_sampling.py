@@ -182,6 +182,39 @@ def test_a_prefilled_assistant_answer_is_continued(live, http):
         live.engine.inputs.tokenizer.apply_chat_template(msgs[:1], return_dict=False))
 
 
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_ids(live, http):
+    """vLLM's ``return_token_ids`` (what RL frameworks train on): the prompt's ids (completions: on each choice,
+    chat: on the response) and each choice's generated ids, which decode to its text; streamed, the prompt's in
+    the first chunk and the generated ids adding up over the chunks to the same list. Off: none of the fields."""
+    tok = live.engine.inputs.tokenizer
+    greedy = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    prompts = ["The quick brown fox", "Once upon a time"]
+    r = post(http, "completions", False, prompt=prompts, n=2, **greedy).json()
+    for c in r["choices"]:
+        assert c["prompt_token_ids"] == tok.encode(prompts[c["index"] // 2], add_special_tokens=False)
+        assert len(c["token_ids"]) == 5 and tok.decode(c["token_ids"]) == c["text"]
+    assert "token_ids" not in post(http, "completions", False, max_tokens=2).json()["choices"][0]
+    chunks = _events(post(http, "completions", True, prompt=prompts[0], **greedy))
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == r["choices"][0]["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == r["choices"][0]["token_ids"]
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    chat = post(http, "chat", False, messages=msgs, **greedy).json()
+    assert chat["prompt_token_ids"] == tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    chunks = _events(post(http, "chat", True, messages=msgs, **greedy))
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == chat["choices"][0]["token_ids"]
+
+
 def test_special_tokens_are_in_the_text_only_when_asked(live, http):
     """vLLM's ``skip_special_tokens: false``: an end-of-turn token the model generates (here forced by logit_bias,
     past EOS with ignore_eos) is in the text, streamed or not; by default it is left out."""

@@ -299,8 +299,10 @@ class _Choices:
     their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
 
     def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[list[int]],
-                 echoes: Optional[list[str]]):
+                 echoes: Optional[list[str]], return_ids: bool = False):
         self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
+        self.return_ids = return_ids  # vLLM's return_token_ids (`with_ids`)
+        self.ids_sent = [False] * len(rids)  # a streamed choice's prompt ids went out (completions)
         self.n = len(rids) // len(prompt_ids)
         self.ended = [False] * len(rids)
         self.outputs: list = [None] * len(rids)
@@ -325,22 +327,49 @@ class _Choices:
 
     def piece_event(self, i: int, piece: str, include_usage: bool) -> str:
         """The SSE event of choice i's next piece (plain text: from the envelope's template)."""
-        if self.formats is None and self.echoed[i]:
+        if self.formats is None and self.echoed[i] and not self.return_ids:
             return self.env.text_event(piece, include_usage, i)
         return _sse(self.piece_chunk(i, piece, include_usage))
 
     def piece_chunk(self, i: int, piece: str, include_usage: bool) -> dict:
         text, lp = self._text_and_logprobs(i, piece, getattr(piece, "logprobs", []),
                                            getattr(piece, "prompt_logprobs", None))
-        return self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp)
+        return self.with_ids(self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp))
 
     def final_chunk(self, i: int, include_usage: bool) -> dict:
         out = self.outputs[i]
         text, lp = None if self.env.chat else "", None
         if not self.echoed[i]:  # no piece came: the prompt and the logprobs of whatever there was
             text, lp = self._text_and_logprobs(i, "", out.logprobs or [], out.prompt_logprobs)
-        return self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason), include_usage=include_usage,
-                              index=i, logprobs=lp)
+        return self.with_ids(self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason),
+                                            include_usage=include_usage, index=i, logprobs=lp), final=True)
+
+    def with_ids(self, body: dict, final: bool = False, first: bool = False) -> dict:
+        """A chunk or response with vLLM's ``return_token_ids`` fields: the prompt's ids (chat: on the response, or
+        the stream's ``first`` chunk; completions: on each choice, streamed in its first chunk) and each choice's
+        generated ids (``final``: the response, or a choice's last chunk, holds all of them; a chunk before it [])."""
+        if not self.return_ids:
+            return body
+        if self.env.chat and first:
+            body["prompt_token_ids"] = list(self.prompt_ids[0])
+        for c in body["choices"]:
+            j = c["index"]
+            if not self.env.chat and not self.ids_sent[j]:
+                c["prompt_token_ids"] = list(self.prompt_ids[j // self.n])
+                self.ids_sent[j] = True
+            c["token_ids"] = list(self.outputs[j].token_ids or []) if final else []
+        return body
+        choices = body["choices"]
+        if self.env.chat and (first or (final and len(choices) == len(self.rids) and "object" in body
+                                        and not body["object"].endswith("chunk"))):
+            body["prompt_token_ids"] = list(self.prompt_ids[0])
+        for c in choices:
+            j = c["index"]
+            if not self.env.chat and not self.ids_sent[j]:
+                c["prompt_token_ids"] = list(self.prompt_ids[j // self.n])
+                self.ids_sent[j] = not final or len(choices) == 1
+            c["token_ids"] = list(self.outputs[j].token_ids or []) if final and self.outputs[j] is not None else []
+        return body
 
     def usage(self) -> dict:
         firsts = self.outputs[::self.n]  # each prompt counted once, whatever its n
@@ -352,7 +381,7 @@ class _Choices:
         for i, o in enumerate(self.outputs):
             text, lp = self._text_and_logprobs(i, o.text, o.logprobs or [], o.prompt_logprobs)
             choices.append((text, p.finish_reason(o.finish_reason), lp))
-        return self.env.response(choices, self.usage())
+        return self.with_ids(self.env.response(choices, self.usage()), final=True, first=True)
 
 
 class _Server:
@@ -601,7 +630,7 @@ class _Server:
         if getattr(req, "echo", False):
             echoes = [x if isinstance(x, str) and not c else self.inputs.tokenizer.decode(ids)
                       for x, ids, c in zip(prompts, batch, cut)]
-        out = _Choices(self, env, rids, params[0], batch, echoes)
+        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids)
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
@@ -665,7 +694,8 @@ class _Server:
         env = out.env
         try:
             if env.chat:
-                yield "".join(_sse(env.chunk(text="", role=True, include_usage=include_usage, index=i))
+                yield "".join(_sse(out.with_ids(env.chunk(text="", role=True, include_usage=include_usage, index=i),
+                                                first=i == 0))
                               for i in range(len(out.rids)))
             while not all(out.ended):
                 # every item already queued goes out in one write (one event each): when the loop
@@ -720,7 +750,8 @@ class _Server:
         text, sent = "", 0
         try:
             # (a tool-call message has no content, unless "auto" finds none)
-            yield _sse(env.chunk(text="" if auto else None, role=True, include_usage=include_usage))
+            yield _sse(out.with_ids(env.chunk(text="" if auto else None, role=True, include_usage=include_usage),
+                                    first=True))
             if named:
                 yield _sse(env.tool_chunk([{"index": 0, **guided.tool_call(tools.name, "")}], include_usage))
             last = None
@@ -761,7 +792,8 @@ class _Server:
                 tail.append(env.text_event(o.text[sent:], include_usage))
             if finish == "stop" and (calls or not auto):
                 finish = "tool_calls"
-            tail.append(_sse(env.chunk(text=None, finish=finish, include_usage=include_usage)))
+            tail.append(_sse(out.with_ids(env.chunk(text=None, finish=finish, include_usage=include_usage),
+                                          final=True)))
             if include_usage:
                 tail.append(_sse(env.usage_chunk(out.usage())))
             tail.append(_sse("[DONE]"))
@@ -802,7 +834,8 @@ class _Server:
                                   else (None, tools.calls(o.text)))
                 if calls and reason == "stop":
                     reason = "tool_calls"
-                return JSONResponse(out.env.response([(o.text, reason, None)], out.usage(), calls, content),
+                return JSONResponse(out.with_ids(out.env.response([(o.text, reason, None)], out.usage(), calls,
+                                                                  content), final=True, first=True),
                                     headers=headers)
             return JSONResponse(out.response(), headers=headers)
         finally:

@@ -163,7 +163,6 @@ REFUSED: dict[str, tuple] = {
     "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
     "logits_processors": (_unset, "this server runs no custom logits processors"),
     "return_tokens_as_token_ids": (_is(False), "this server returns text only"),
-    "return_token_ids": (_is(False), "this server returns text only"),
     "add_special_tokens": (_is(False), "this server tokenizes prompts without special tokens (chat: the "
                                        "template adds its own)"),
     "chat_template": (_unset, "this server uses the model's own chat template"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (end of turn ...) in the text
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None

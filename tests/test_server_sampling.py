@@ -143,17 +143,17 @@ COMMON_REFUSED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
-    ("use_beam_search", True), ("length_penalty", 0.5),
-    ("spaces_between_special_tokens", False),
+    ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
-    ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True), ("add_special_tokens", True),
+    ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]),
+    ("add_special_tokens", True),
 ]
 # tools are a chat feature (tests/test_server_structured.py has them, and structured output)
 COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end"),
                                       ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                       ("tool_choice", "required"), ("parallel_tool_calls", False)]
-CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True),
-                                 ("chat_template", "{{ x }}"), ("chat_template_kwargs", {"add_generation_prompt": False}),
+CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True), ("chat_template", "{{ x }}"),
+                                 ("chat_template_kwargs", {"add_generation_prompt": False}),
                                  ("documents", [{"text": "d"}])]
 
 
@@ -213,6 +213,20 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_ids(live, http):
     assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
     assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == chat["choices"][0]["token_ids"]
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(live, http):
+    """vLLM's ``return_tokens_as_token_ids``: logprobs name tokens ``token_id:N`` (chosen and top ones), the ids
+    ``return_token_ids`` gives, in the same order; completions' echo names the prompt's ids the same way."""
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+              "return_tokens_as_token_ids": True}
+    r = post(http, "completions", False, logprobs=2, echo=True, **greedy).json()["choices"][0]
+    named = [int(t.removeprefix("token_id:")) for t in r["logprobs"]["tokens"]]
+    assert named == r["prompt_token_ids"] + r["token_ids"]
+    assert all(k.startswith("token_id:") for top in r["logprobs"]["top_logprobs"][1:] for k in top)
+    c = post(http, "chat", False, logprobs=True, top_logprobs=2, **greedy).json()["choices"][0]
+    assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for e in c["logprobs"]["content"] for t in e["top_logprobs"])
 
 
 def test_special_tokens_are_in_the_text_only_when_asked(live, http):

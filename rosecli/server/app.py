@@ -299,7 +299,7 @@ class _Choices:
     their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
 
     def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[list[int]],
-                 echoes: Optional[list[str]], return_ids: bool = False):
+                 echoes: Optional[list[str]], return_ids: bool = False, tokens_as_ids: bool = False):
         self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
         self.return_ids = return_ids  # vLLM's return_token_ids (`with_ids`)
         self.ids_sent = [False] * len(rids)  # a streamed choice's prompt ids went out (completions)
@@ -308,8 +308,8 @@ class _Choices:
         self.outputs: list = [None] * len(rids)
         self.echoes = echoes  # each prompt's text, to send before its choices' first text (``echo``)
         self.echoed = [echoes is None] * len(rids)
-        self.formats = ([p.LogprobsFormat(env.chat, server.token_text()) for _ in rids]
-                        if params.logprobs is not None else None)
+        text = p.token_id_text if tokens_as_ids else server.token_text()  # (vLLM's return_tokens_as_token_ids)
+        self.formats = ([p.LogprobsFormat(env.chat, text) for _ in rids] if params.logprobs is not None else None)
 
     def open_rids(self) -> list[int]:
         return [rid for rid, ended in zip(self.rids, self.ended) if not ended]
@@ -630,7 +630,7 @@ class _Server:
         if getattr(req, "echo", False):
             echoes = [x if isinstance(x, str) and not c else self.inputs.tokenizer.decode(ids)
                       for x, ids, c in zip(prompts, batch, cut)]
-        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids)
+        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids, req.return_tokens_as_token_ids)
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None

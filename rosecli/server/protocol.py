@@ -162,7 +162,6 @@ REFUSED: dict[str, tuple] = {
     "guided_decoding_backend": (_is("xgrammar", "auto"), "this server's structured output runs on xgrammar"),
     "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
     "logits_processors": (_unset, "this server runs no custom logits processors"),
-    "return_tokens_as_token_ids": (_is(False), "this server returns text only"),
     "add_special_tokens": (_is(False), "this server tokenizes prompts without special tokens (chat: the "
                                        "template adds its own)"),
     "chat_template": (_unset, "this server uses the model's own chat template"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: keep the prompt's last k tokens (-1: the context's worth)
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (end of turn ...) in the text
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N" (any token identified)
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -701,6 +701,12 @@ class Envelope:
         out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
                for i, (text, finish, lp) in enumerate(choices)]
         return self._wrap("text_completion", out, usage_, True)
+
+
+def token_id_text(token_id: int) -> tuple[str, bytes]:
+    """A token as ``return_tokens_as_token_ids`` names it in logprobs (vLLM's): ``token_id:N``."""
+    name = f"token_id:{token_id}"
+    return name, name.encode()
 
 
 def _lp(value: float) -> float:

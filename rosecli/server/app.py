@@ -359,17 +359,6 @@ class _Choices:
                 self.ids_sent[j] = True
             c["token_ids"] = list(self.outputs[j].token_ids or []) if final else []
         return body
-        choices = body["choices"]
-        if self.env.chat and (first or (final and len(choices) == len(self.rids) and "object" in body
-                                        and not body["object"].endswith("chunk"))):
-            body["prompt_token_ids"] = list(self.prompt_ids[0])
-        for c in choices:
-            j = c["index"]
-            if not self.env.chat and not self.ids_sent[j]:
-                c["prompt_token_ids"] = list(self.prompt_ids[j // self.n])
-                self.ids_sent[j] = not final or len(choices) == 1
-            c["token_ids"] = list(self.outputs[j].token_ids or []) if final and self.outputs[j] is not None else []
-        return body
 
     def usage(self) -> dict:
         firsts = self.outputs[::self.n]  # each prompt counted once, whatever its n

@@ -177,6 +177,16 @@ def test_a_prefilled_assistant_answer_is_continued(live, http):
     _refused(post(http, "chat", False, messages=msgs, continue_final_message=True), "add_generation_prompt")
     _refused(post(http, "chat", False, messages=msgs[:1], continue_final_message=True, add_generation_prompt=False),
              "messages")
+    dropped = {"role": "assistant", "content": "x"}  # a template that never shows an assistant's content
+    tok = live.engine.inputs.tokenizer
+    saved = tok.chat_template
+    try:
+        tok.chat_template = "{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}"
+        err = _refused(post(http, "chat", False, messages=msgs[:1] + [dropped], continue_final_message=True,
+                            add_generation_prompt=False), "messages")
+        assert "continue_final_message" in err["message"]
+    finally:
+        tok.chat_template = saved
     opened = post(http, "chat", False, messages=msgs[:1], add_generation_prompt=False, **greedy)
     assert opened.status_code == 200 and opened.json()["usage"]["prompt_tokens"] == len(
         live.engine.inputs.tokenizer.apply_chat_template(msgs[:1], return_dict=False))

@@ -71,6 +71,10 @@ class InputProcessor:
             # the messages hold, named without its internal text.
             if type(e).__module__.startswith("jinja2") and type(e).__name__ == "TemplateError":
                 raise RequestError(f"the chat template rejected the messages: {e}", "messages") from None
+            if isinstance(e, ValueError) and str(e).startswith("continue_final_message"):  # (ours, transformers')
+                why = str(e).split("\n")[0][:300]  # (transformers' goes on with the whole rendered chat)
+                raise RequestError(f"the chat template cannot continue the last of the messages: {why}",
+                                   "messages") from None
             raise RequestError("the chat template could not render these messages (check the roles, and "
                               "that extra message fields are plain strings)", "messages") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

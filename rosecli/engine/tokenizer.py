@@ -547,14 +547,13 @@ _OPEN_END = "ROSE_CONTINUE_HERE "  # marks the end of the message to continue (`
 def _mark_open_end(chat: list[dict], chat_template: str) -> str:
     """Put `_OPEN_END` after the last message's text (its content, or its last text block); returns that text."""
     if not chat:
-        raise ValueError("continue_final_message is set but the conversation is empty!")
+        raise ValueError("continue_final_message: the conversation is empty, there is no message to continue")
     last = chat[-1]
     content = last.get("content")
     if content is None:
-        raise ValueError('continue_final_message is set but the final message has no "content" to continue!')
+        raise ValueError("continue_final_message: the last message has no content to continue")
     if "content" not in chat_template:
-        raise ValueError('continue_final_message is set to "content" but this is not an accepted field in the '
-                         "chat_template")
+        raise ValueError("continue_final_message: this chat template never shows a message's content")
     if isinstance(content, str):
         last["content"] = content + _OPEN_END
         return content
@@ -563,7 +562,7 @@ def _mark_open_end(chat: list[dict], chat_template: str) -> str:
             text = block["text"]
             block["text"] = text + _OPEN_END
             return text
-    raise ValueError("continue_final_message is set but we could not find any text to continue in the final message!")
+    raise ValueError("continue_final_message: the last message has no text block to continue")
 
 
 def _cut_at_open_end(rendered: str, text: str) -> str:
@@ -571,8 +570,8 @@ def _cut_at_open_end(rendered: str, text: str) -> str:
     trailing space drops the marker's too: then the spaces before the cut go as well)."""
     mark = _OPEN_END.strip()
     if text.strip() not in rendered or mark not in rendered:
-        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
-                         "applying the chat template (the template deletes part of it)")
+        raise ValueError("continue_final_message: the chat template's output does not hold the last message's text "
+                         "whole (the template changes or drops part of it)")
     at = rendered.rindex(mark)
     return rendered[:at] if rendered.startswith(_OPEN_END, at) else rendered[:at].rstrip()
 

@@ -93,6 +93,8 @@ def test_prompt_logprobs_over_chunks_bypass_the_prefix_cache(hf):
     ref = _reference(hf, PROMPT + got["tokens"])
     for t in range(1, len(PROMPT)):
         _check(prompt_lp[t], PROMPT[t], ref[t - 1], 2)
+        x = ref[t - 1][PROMPT[t]]  # its rank in the distribution (vLLM's prompt_logprobs), ties within 1e-4 either way
+        assert int((ref[t - 1] > x + 1e-4).sum()) + 1 <= prompt_lp[t].rank <= int((ref[t - 1] > x - 1e-4).sum()) + 1
     _check(got["logprobs"][0], got["tokens"][0], ref[len(PROMPT) - 1], 2)
     # a request that does not ask still reads the cache
     sch.add_request(PROMPT, _sp(max_new_tokens=1))

@@ -144,7 +144,7 @@ COMMON_REFUSED = [
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("prompt_logprobs", 1),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]),
     ("add_special_tokens", True),
 ]
@@ -237,6 +237,35 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(live, htt
     c = post(http, "chat", False, logprobs=True, top_logprobs=2, **greedy).json()["choices"][0]
     assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
     assert all(t["token"].startswith("token_id:") for e in c["logprobs"]["content"] for t in e["top_logprobs"])
+
+
+def test_prompt_logprobs_as_vllm_gives_them(live, http):
+    """vLLM's ``prompt_logprobs``: for each prompt token (None for the first) its logprob and rank and the k most
+    likely (ranks 1..k), the logprobs completions' echo reports; chat's on the response; streamed, in one chunk.
+    With echo's logprobs at another count, or past 20: a 400."""
+    tok = live.engine.inputs.tokenizer
+    prompt = "The quick brown fox jumps over"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    greedy = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    c = post(http, "completions", False, prompt=prompt, prompt_logprobs=2, echo=True, logprobs=2,
+             **greedy).json()["choices"][0]
+    plp = c["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for j, (t, d) in enumerate(zip(ids[1:], plp[1:]), 1):
+        mine = d[str(t)]
+        assert mine["logprob"] == pytest.approx(c["logprobs"]["token_logprobs"][j], abs=1e-5)
+        assert mine["decoded_token"] == c["logprobs"]["tokens"][j]
+        top = sorted((v["rank"], v["logprob"], k) for k, v in d.items() if k != str(t) or v["rank"] <= 2)
+        assert [r for r, _, _ in top] == [1, 2] and top[0][1] >= top[1][1]
+        assert mine["rank"] >= 1 and (mine["rank"] > 2) == (str(t) not in [k for _, _, k in top])
+    msgs = [{"role": "user", "content": prompt}]
+    chat = post(http, "chat", False, messages=msgs, prompt_logprobs=1, **greedy).json()
+    n_ids = len(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False))
+    assert len(chat["prompt_logprobs"]) == n_ids and chat["prompt_logprobs"][0] is None
+    chunks = _events(post(http, "chat", True, messages=msgs, prompt_logprobs=1, **greedy))
+    assert [ch["prompt_logprobs"] for ch in chunks if "prompt_logprobs" in ch] == [chat["prompt_logprobs"]]
+    _refused(post(http, "completions", False, prompt_logprobs=2, echo=True, logprobs=1), "prompt_logprobs")
+    _refused(post(http, "chat", False, prompt_logprobs=21), "prompt_logprobs")
 
 
 def test_special_tokens_are_in_the_text_only_when_asked(live, http):

@@ -29,10 +29,12 @@ PROMPT_SLICE = 512  # prompt positions whose full-vocabulary logits exist at onc
 @dataclass
 class TokenLogprobs:
     """One position: the token there, its logprob, and the ``k`` most likely tokens (id, logprob),
-    most likely first (``k`` as the request asked; empty for 0)."""
+    most likely first (``k`` as the request asked; empty for 0); for a prompt position also the token's
+    rank in the distribution (1: the most likely; ties share the better rank), as vLLM's prompt_logprobs give."""
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: Optional[int] = None
 
 
 def row_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -70,8 +72,13 @@ def prompt_logprobs(hidden: torch.Tensor, compute_logits, rows: list[int], targe
     for at in range(0, len(rows), PROMPT_SLICE):
         r = torch.tensor(rows[at:at + PROMPT_SLICE], dtype=torch.long, device=dev)
         t = torch.tensor(targets[at:at + PROMPT_SLICE], dtype=torch.long, device=dev)
-        packed = pick(row_logprobs(compute_logits(hidden.index_select(0, r))), t, k).cpu()
-        out += unpack(packed, targets[at:at + PROMPT_SLICE], [k] * len(t))
+        lp = row_logprobs(compute_logits(hidden.index_select(0, r)))
+        packed = pick(lp, t, k)
+        ranks = ((lp > packed[:, :1]).sum(dim=1) + 1).tolist()
+        entries = unpack(packed.cpu(), targets[at:at + PROMPT_SLICE], [k] * len(t))
+        for e, rank in zip(entries, ranks):
+            e.rank = rank
+        out += entries
     return out
 
 

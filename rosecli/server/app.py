@@ -299,7 +299,8 @@ class _Choices:
     their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
 
     def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[list[int]],
-                 echoes: Optional[list[str]], return_ids: bool = False, tokens_as_ids: bool = False):
+                 echoes: Optional[list[str]], return_ids: bool = False, tokens_as_ids: bool = False,
+                 prompt_k: Optional[int] = None):
         self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
         self.return_ids = return_ids  # vLLM's return_token_ids (`with_ids`)
         self.ids_sent = [False] * len(rids)  # a streamed choice's prompt ids went out (completions)
@@ -308,8 +309,10 @@ class _Choices:
         self.outputs: list = [None] * len(rids)
         self.echoes = echoes  # each prompt's text, to send before its choices' first text (``echo``)
         self.echoed = [echoes is None] * len(rids)
-        text = p.token_id_text if tokens_as_ids else server.token_text()  # (vLLM's return_tokens_as_token_ids)
+        self.text = text = p.token_id_text if tokens_as_ids else server.token_text()  # (return_tokens_as_token_ids)
         self.formats = ([p.LogprobsFormat(env.chat, text) for _ in rids] if params.logprobs is not None else None)
+        self.prompt_k = prompt_k  # vLLM's prompt_logprobs (`with_prompt_logprobs`)
+        self.prompt_lp_sent = [False] * len(rids)
 
     def open_rids(self) -> list[int]:
         return [rid for rid, ended in zip(self.rids, self.ended) if not ended]
@@ -327,22 +330,38 @@ class _Choices:
 
     def piece_event(self, i: int, piece: str, include_usage: bool) -> str:
         """The SSE event of choice i's next piece (plain text: from the envelope's template)."""
-        if self.formats is None and self.echoed[i] and not self.return_ids:
+        if self.formats is None and self.echoed[i] and not self.return_ids and self.prompt_k is None:
             return self.env.text_event(piece, include_usage, i)
         return _sse(self.piece_chunk(i, piece, include_usage))
 
     def piece_chunk(self, i: int, piece: str, include_usage: bool) -> dict:
         text, lp = self._text_and_logprobs(i, piece, getattr(piece, "logprobs", []),
                                            getattr(piece, "prompt_logprobs", None))
-        return self.with_ids(self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp))
+        body = self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp)
+        return self.with_ids(self.with_prompt_logprobs(body, i, getattr(piece, "prompt_logprobs", None)))
 
     def final_chunk(self, i: int, include_usage: bool) -> dict:
         out = self.outputs[i]
         text, lp = None if self.env.chat else "", None
         if not self.echoed[i]:  # no piece came: the prompt and the logprobs of whatever there was
             text, lp = self._text_and_logprobs(i, "", out.logprobs or [], out.prompt_logprobs)
-        return self.with_ids(self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason),
-                                            include_usage=include_usage, index=i, logprobs=lp), final=True)
+        body = self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason), include_usage=include_usage,
+                              index=i, logprobs=lp)
+        return self.with_ids(self.with_prompt_logprobs(body, i, out.prompt_logprobs), final=True)
+
+    def with_prompt_logprobs(self, body: dict, i: int, entries: Optional[list]) -> dict:
+        """A chunk or response with vLLM's ``prompt_logprobs`` from choice i's ``entries``, the first time they
+        come (completions: on the choice; chat: on the chunk or response, once for every choice)."""
+        at = 0 if self.env.chat else i
+        if self.prompt_k is None or entries is None or self.prompt_lp_sent[at]:
+            return body
+        value = p.prompt_logprobs_body(entries, self.prompt_k, self.text)
+        if self.env.chat:
+            body["prompt_logprobs"] = value
+        else:
+            next(c for c in body["choices"] if c["index"] == i)["prompt_logprobs"] = value
+        self.prompt_lp_sent[at] = True
+        return body
 
     def with_ids(self, body: dict, final: bool = False, first: bool = False) -> dict:
         """A chunk or response with vLLM's ``return_token_ids`` fields: the prompt's ids (chat: on the response, or
@@ -370,7 +389,10 @@ class _Choices:
         for i, o in enumerate(self.outputs):
             text, lp = self._text_and_logprobs(i, o.text, o.logprobs or [], o.prompt_logprobs)
             choices.append((text, p.finish_reason(o.finish_reason), lp))
-        return self.with_ids(self.env.response(choices, self.usage()), final=True, first=True)
+        body = self.env.response(choices, self.usage())
+        for i, o in enumerate(self.outputs):
+            self.with_prompt_logprobs(body, i, o.prompt_logprobs)
+        return self.with_ids(body, final=True, first=True)
 
 
 class _Server:
@@ -619,7 +641,8 @@ class _Server:
         if getattr(req, "echo", False):
             echoes = [x if isinstance(x, str) and not c else self.inputs.tokenizer.decode(ids)
                       for x, ids, c in zip(prompts, batch, cut)]
-        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids, req.return_tokens_as_token_ids)
+        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids, req.return_tokens_as_token_ids,
+                       req.prompt_logprobs)
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
@@ -781,8 +804,9 @@ class _Server:
                 tail.append(env.text_event(o.text[sent:], include_usage))
             if finish == "stop" and (calls or not auto):
                 finish = "tool_calls"
-            tail.append(_sse(out.with_ids(env.chunk(text=None, finish=finish, include_usage=include_usage),
-                                          final=True)))
+            end = out.with_prompt_logprobs(env.chunk(text=None, finish=finish, include_usage=include_usage), 0,
+                                           o.prompt_logprobs)
+            tail.append(_sse(out.with_ids(end, final=True)))
             if include_usage:
                 tail.append(_sse(env.usage_chunk(out.usage())))
             tail.append(_sse("[DONE]"))
@@ -823,9 +847,9 @@ class _Server:
                                   else (None, tools.calls(o.text)))
                 if calls and reason == "stop":
                     reason = "tool_calls"
-                return JSONResponse(out.with_ids(out.env.response([(o.text, reason, None)], out.usage(), calls,
-                                                                  content), final=True, first=True),
-                                    headers=headers)
+                body = out.with_prompt_logprobs(out.env.response([(o.text, reason, None)], out.usage(), calls,
+                                                                 content), 0, o.prompt_logprobs)
+                return JSONResponse(out.with_ids(body, final=True, first=True), headers=headers)
             return JSONResponse(out.response(), headers=headers)
         finally:
             watcher.cancel()

@@ -158,7 +158,6 @@ REFUSED: dict[str, tuple] = {
     "spaces_between_special_tokens": (_is(True), "this server decodes special tokens as the tokenizer does"),
     "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
-    "prompt_logprobs": (_unset, "use /v1/completions with echo and logprobs"),
     "guided_decoding_backend": (_is("xgrammar", "auto"), "this server's structured output runs on xgrammar"),
     "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
     "logits_processors": (_unset, "this server runs no custom logits processors"),
@@ -202,6 +201,7 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True  # vLLM's: False puts special tokens (end of turn ...) in the text
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N" (any token identified)
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and rank, and the top k
     n: Optional[int] = 1
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
@@ -230,6 +230,9 @@ class SamplingRequest(BaseModel):
             if rule is not None and not rule[0](value):
                 shown = {dict: "{...}", list: "[...]"}.get(type(value)) or json.dumps(value)[:60]
                 raise unsupported(f"{name}={shown} is not supported: {rule[1]} (leave {name} out)", name)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got "
+                              f"{self.prompt_logprobs}", "prompt_logprobs")
         if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens == -1
                                                             or self.truncate_prompt_tokens >= 1):
             raise bad_request(f"truncate_prompt_tokens must be -1 (the model's context) or at least 1, got "
@@ -269,7 +272,11 @@ class CompletionRequest(SamplingRequest):
             raise unsupported("suffix (insertion) is not supported by this server (leave it out)", "suffix")
 
     def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
-        return self.logprobs, self.logprobs if self.echo else None
+        echoed = self.logprobs if self.echo else None
+        if self.prompt_logprobs is not None and echoed is not None and echoed != self.prompt_logprobs:
+            raise bad_request(f"prompt_logprobs={self.prompt_logprobs} and echo with logprobs={self.logprobs} ask "
+                              "for the prompt's logprobs with two counts: give one, or the same", "prompt_logprobs")
+        return self.logprobs, echoed if self.prompt_logprobs is None else self.prompt_logprobs
 
 
 class ContentPart(BaseModel):
@@ -329,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
     def logprob_counts(self) -> tuple[Optional[int], Optional[int]]:
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
@@ -701,6 +708,23 @@ class Envelope:
         out = [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
                for i, (text, finish, lp) in enumerate(choices)]
         return self._wrap("text_completion", out, usage_, True)
+
+
+def prompt_logprobs_body(entries: Optional[list], k: int, token_text) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: for each prompt token, None for the first, else {token id (a string): {logprob,
+    rank, decoded_token}} for the token there and the ``k`` most likely (ranks 1..k)."""
+    if entries is None:
+        return None
+    out: list = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": token_text(e.token_id)[0]}}
+        for r, (t, lp) in enumerate(e.top[:k], 1):
+            d.setdefault(str(t), {"logprob": _lp(lp), "rank": r, "decoded_token": token_text(t)[0]})
+        out.append(d)
+    return out
 
 
 def token_id_text(token_id: int) -> tuple[str, bytes]:

@@ -49,7 +49,7 @@ def test_drain_then_end_open_streams(cache_dir, caplog):
 
     def long_stream():
         with httpx.Client(base_url=srv.url, timeout=30) as c:
-            with c.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            with c.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as r:
                 events = []
                 for event in sse_events(r):
                     events.append(event)
@@ -77,8 +77,10 @@ def test_drain_then_end_open_streams(cache_dir, caplog):
             status, events = stream.result(timeout=20)
             assert status == 200 and events[-1] == "[DONE]"
             assert events[-2]["error"]["code"] == "shutting_down" and events[-2]["error"]["type"] == "server_error"
-            assert events[-3]["choices"][0]["finish_reason"] == "abort"
-            assert all(e["choices"][0]["finish_reason"] is None for e in events[:-3])
+            # each choice still open gets its last chunk (n=2: both)
+            assert [(e["choices"][0]["index"], e["choices"][0]["finish_reason"]) for e in events[-4:-2]] == \
+                [(0, "abort"), (1, "abort")]
+            assert all(e["choices"][0]["finish_reason"] is None for e in events[:-4])
             assert short_plain.result(timeout=20).status_code == 200  # finished within the timeout
             late = long_plain.result(timeout=20)
             assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"

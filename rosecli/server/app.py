@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, Iterable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -688,11 +688,12 @@ class _Server:
         q.put_nowait((None, why))
         self.manager.abort(rid)
 
-    def _stream_error(self, env: p.Envelope, e: p.APIError, finish: str, include_usage: bool) -> list[str]:
-        """The end of a stream that could not finish: a last choice chunk with ``finish``, the
-        error event (the same body a JSON error has), ``[DONE]``."""
-        return [_sse(env.chunk(text=None if env.chat else "", finish=finish, include_usage=include_usage)),
-                _sse(e.body()), _sse("[DONE]")]
+    def _stream_error(self, env: p.Envelope, e: p.APIError, finish: str, include_usage: bool,
+                      choices: Iterable[int] = (0,)) -> list[str]:
+        """The end of a stream that could not finish: a last chunk with ``finish`` for each of the ``choices``
+        still open, the error event (the same body a JSON error has), ``[DONE]``."""
+        return [*(_sse(env.chunk(text=None if env.chat else "", finish=finish, include_usage=include_usage, index=i))
+                  for i in choices), _sse(e.body()), _sse("[DONE]")]
 
     def _finish_choices(self, out: "_Choices", arrival: float) -> None:
         """Abort and count the choices still open (the client went away, another choice failed)."""
@@ -717,10 +718,11 @@ class _Server:
                 while True:
                     i, piece = item
                     if piece is _SHUTDOWN:  # aborted already
+                        open_ = [j for j, ended in enumerate(out.ended) if not ended]
                         self._finish_choices(out, arrival)
                         if events:
                             yield "".join(events)
-                        yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage))
+                        yield "".join(self._stream_error(env, p.shutting_down(), "abort", include_usage, open_))
                         return
                     if piece is not END:
                         events.append(out.piece_event(i, piece, include_usage))
@@ -730,10 +732,12 @@ class _Server:
                             o = self.output(out.rids[i])
                         except RoseError as e:
                             self.metrics.finished("error", arrival)
+                            open_ = [j for j, ended in enumerate(out.ended) if not ended or j == i]
                             self._finish_choices(out, arrival)
                             if events:
                                 yield "".join(events)
-                            yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage))
+                            yield "".join(self._stream_error(env, self._engine_failure(e), "error", include_usage,
+                                                             open_))
                             return
                         out.outputs[i] = o
                         self.metrics.finished(p.finish_reason(o.finish_reason), arrival, o)

@@ -1,6 +1,7 @@
 """Shutting down and starting up `rose serve-local`: SIGTERM drains (503 for new requests, running
 ones finish within --shutdown-timeout, the rest end with an error event and [DONE]), exits 0 with no
-traceback; a port already in use fails at once, before the model loads."""
+traceback; a port already in use fails at once, before the model loads; --chat-template is used, or a bad one fails
+start-up in one line."""
 
 from __future__ import annotations
 
@@ -198,3 +199,44 @@ def test_port_in_use_fails_before_loading_the_model(cache_dir):
     assert proc.returncode == 1
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and f"port {port}" in lines[0] and "in use" in lines[0], err
+
+
+def test_chat_template_flag_replaces_the_models_and_a_bad_one_fails_at_start_up(cache_dir, tmp_path):
+    """``--chat-template FILE`` (vLLM's flag): the conversation renders through it (/tokenize shows it, chat answers
+    with it); a template that cannot render one message ends start-up with one line and exit status 1."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _serve(cache_dir, port, "--chat-template", str(template))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.2)
+        msgs = [{"role": "user", "content": "Hi"}]
+        ids = httpx.post(url + "/tokenize", json={"messages": msgs}, timeout=10).json()["tokens"]
+        text = httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=10).json()["prompt"]
+        assert text == "<<user>>Hi<<assistant>>"
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    proc = _serve(cache_dir, port, "--chat-template", "{{ raise_exception('no system prompt') }}")
+    out, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("Loading", "INFO"))]
+    assert proc.returncode == 1 and lines[-1].startswith("error: --chat-template:") and "no system prompt" in lines[-1]
+    assert "Traceback" not in err
+    proc = _serve(cache_dir, port, "--chat-template", str(tmp_path / "missing.jinja"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "no such file" in err and "Traceback" not in err
+

@@ -33,6 +33,37 @@ def serve_read_ceiling(engine, say):
         return None
 
 
+def read_chat_template(value: str) -> str:
+    """``--chat-template``: a file's text, or the value itself when it reads as a Jinja template."""
+    import os
+
+    if os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            o.fail(f"--chat-template {value}: cannot read it ({e})")
+    if "{{" in value or "{%" in value:
+        return value
+    o.fail(f"--chat-template {value}: no such file, and not a Jinja template (no {{{{ ... }}}} or {{% ... %}})")
+
+
+def use_chat_template(inputs, template: str) -> None:
+    """Render the chat with ``template`` from now on; one that cannot render a one-message conversation is
+    refused here, at start-up, not at the first request."""
+    from rosecli.engine.errors import RequestError
+
+    previous = inputs.tokenizer.chat_template
+    inputs.tokenizer.chat_template = template
+    try:
+        inputs.chat([{"role": "user", "content": "Hello"}])
+    except RequestError as e:
+        inputs.tokenizer.chat_template = previous
+        cause = e.__cause__
+        o.fail(f"--chat-template: the template does not render a one-message conversation: "
+               f"{f'{type(cause).__name__}: {cause}' if cause is not None else e}", code=1)
+
+
 def _on_cuda(config: EngineConfig) -> bool:
     """Whether the engine will run on a CUDA device (``--device auto`` asks torch)."""
     if config.device != "auto":
@@ -75,6 +106,10 @@ def serve_local(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", help="On SIGTERM/SIGINT, seconds "
                                                     "running requests get to finish before they are ended.",
                                                     rich_help_panel=SERVER)] = 10.0,
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", metavar="FILE|TEMPLATE",
+                                                         help="A Jinja chat template (a file, or the template "
+                                                         "itself) used instead of the model's, as vLLM's.",
+                                                         rich_help_panel=SERVER)] = None,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) with /health and /metrics."""
     try:
@@ -95,6 +130,7 @@ def serve_local(
     for flag, value in (("--read-timeout", read_timeout), ("--shutdown-timeout", shutdown_timeout)):
         if not 0 < value < float("inf"):
             o.fail(f"{flag} must be a positive number of seconds, got {value}")
+    template = read_chat_template(chat_template) if chat_template is not None else None
     try:
         sock = bind_socket(host, port)  # before the model loads: a taken port fails in a moment
     except PortInUseError as e:
@@ -119,6 +155,12 @@ def serve_local(
             from rosecli.engine.streaming import StreamingManager
 
             manager = StreamingManager(engine)
+        if template is not None:
+            try:
+                use_chat_template(engine.inputs, template)
+            except BaseException:
+                manager.close()
+                raise
     except BaseException:
         sock.close()
         raise

@@ -74,10 +74,11 @@ def prompt_logprobs(hidden: torch.Tensor, compute_logits, rows: list[int], targe
         t = torch.tensor(targets[at:at + PROMPT_SLICE], dtype=torch.long, device=dev)
         lp = row_logprobs(compute_logits(hidden.index_select(0, r)))
         packed = pick(lp, t, k)
-        ranks = ((lp > packed[:, :1]).sum(dim=1) + 1).tolist()
-        entries = unpack(packed.cpu(), targets[at:at + PROMPT_SLICE], [k] * len(t))
-        for e, rank in zip(entries, ranks):
-            e.rank = rank
+        ranks = (lp > packed[:, :1]).sum(dim=1, keepdim=True).float() + 1  # (as floats, as pick's ids: exact)
+        host = torch.cat([packed, ranks], dim=1).cpu()  # one copy to the host
+        entries = unpack(host[:, :-1], targets[at:at + PROMPT_SLICE], [k] * len(t))
+        for e, rank in zip(entries, host[:, -1].tolist()):
+            e.rank = int(rank)
         out += entries
     return out
 

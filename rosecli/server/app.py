@@ -296,23 +296,25 @@ async def _wait_disconnect(receive, on_gone: Callable[[], None]) -> None:
 class _Choices:
     """The choices of one generation request (``n`` for each of its prompts: choice i is choice i % n of prompt
     i // n, as vLLM numbers a batch of completions prompts): their request ids, which have ended, their outputs, and
-    their chunks and choices in the endpoint's shape (the echoed prompt, logprobs)."""
+    their chunks and choices in the endpoint's shape (the echoed prompt, logprobs, and vLLM's fields `vllm_fields`
+    adds when ``req`` asks for them)."""
 
     def __init__(self, server: "_Server", env: p.Envelope, rids: list[int], params, prompt_ids: list[list[int]],
-                 echoes: Optional[list[str]], return_ids: bool = False, tokens_as_ids: bool = False,
-                 prompt_k: Optional[int] = None):
+                 echoes: Optional[list[str]], req: Optional[p.SamplingRequest] = None):
         self.env, self.rids, self.prompt_ids = env, rids, prompt_ids
-        self.return_ids = return_ids  # vLLM's return_token_ids (`with_ids`)
-        self.ids_sent = [False] * len(rids)  # a streamed choice's prompt ids went out (completions)
         self.n = len(rids) // len(prompt_ids)
         self.ended = [False] * len(rids)
         self.outputs: list = [None] * len(rids)
         self.echoes = echoes  # each prompt's text, to send before its choices' first text (``echo``)
         self.echoed = [echoes is None] * len(rids)
-        self.text = text = p.token_id_text if tokens_as_ids else server.token_text()  # (return_tokens_as_token_ids)
+        as_ids = getattr(req, "return_tokens_as_token_ids", False)
+        self.text = text = p.token_id_text if as_ids else server.token_text()
         self.formats = ([p.LogprobsFormat(env.chat, text) for _ in rids] if params.logprobs is not None else None)
-        self.prompt_k = prompt_k  # vLLM's prompt_logprobs (`with_prompt_logprobs`)
-        self.prompt_lp_sent = [False] * len(rids)
+        self.return_ids = getattr(req, "return_token_ids", False)  # vLLM's return_token_ids
+        self.prompt_k = getattr(req, "prompt_logprobs", None)  # vLLM's prompt_logprobs
+        self.extras = self.return_ids or self.prompt_k is not None
+        self.ids_sent = [False] * len(rids)  # a streamed choice's prompt ids went out (completions)
+        self.prompt_lp_sent = [False] * len(rids)  # ... its prompt logprobs (chat: [0], once for all)
 
     def open_rids(self) -> list[int]:
         return [rid for rid, ended in zip(self.rids, self.ended) if not ended]
@@ -330,15 +332,15 @@ class _Choices:
 
     def piece_event(self, i: int, piece: str, include_usage: bool) -> str:
         """The SSE event of choice i's next piece (plain text: from the envelope's template)."""
-        if self.formats is None and self.echoed[i] and not self.return_ids and self.prompt_k is None:
+        if self.formats is None and self.echoed[i] and not self.extras:
             return self.env.text_event(piece, include_usage, i)
         return _sse(self.piece_chunk(i, piece, include_usage))
 
     def piece_chunk(self, i: int, piece: str, include_usage: bool) -> dict:
-        text, lp = self._text_and_logprobs(i, piece, getattr(piece, "logprobs", []),
-                                           getattr(piece, "prompt_logprobs", None))
-        body = self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp)
-        return self.with_ids(self.with_prompt_logprobs(body, i, getattr(piece, "prompt_logprobs", None)))
+        prompt_lp = getattr(piece, "prompt_logprobs", None)
+        text, lp = self._text_and_logprobs(i, piece, getattr(piece, "logprobs", []), prompt_lp)
+        return self.vllm_fields(self.env.chunk(text=text, include_usage=include_usage, index=i, logprobs=lp),
+                                prompt_lp)
 
     def final_chunk(self, i: int, include_usage: bool) -> dict:
         out = self.outputs[i]
@@ -347,36 +349,33 @@ class _Choices:
             text, lp = self._text_and_logprobs(i, "", out.logprobs or [], out.prompt_logprobs)
         body = self.env.chunk(text=text, finish=p.finish_reason(out.finish_reason), include_usage=include_usage,
                               index=i, logprobs=lp)
-        return self.with_ids(self.with_prompt_logprobs(body, i, out.prompt_logprobs), final=True)
+        return self.vllm_fields(body, out.prompt_logprobs, final=True)
 
-    def with_prompt_logprobs(self, body: dict, i: int, entries: Optional[list]) -> dict:
-        """A chunk or response with vLLM's ``prompt_logprobs`` from choice i's ``entries``, the first time they
-        come (completions: on the choice; chat: on the chunk or response, once for every choice)."""
-        at = 0 if self.env.chat else i
-        if self.prompt_k is None or entries is None or self.prompt_lp_sent[at]:
+    def vllm_fields(self, body: dict, prompt_lp: Optional[list] = None, final: bool = False,
+                    first: bool = False) -> dict:
+        """A chunk (of one choice; ``final``: its last; ``first``: the stream's first) or, with ``final`` and
+        ``first``, a whole response, with the vLLM fields the request asked for. ``return_token_ids``: the prompt's
+        ids (chat: on the response or the stream's first chunk; completions: on each choice, streamed in its first
+        chunk) and each choice's generated ids (all of them in the response or a choice's last chunk, [] in the
+        chunks before). ``prompt_logprobs``: from ``prompt_lp`` (a response: each choice's output), the first time
+        they come (chat: on the chunk or response, once for every choice; completions: on the choice)."""
+        if not self.extras:
             return body
-        value = p.prompt_logprobs_body(entries, self.prompt_k, self.text)
-        if self.env.chat:
-            body["prompt_logprobs"] = value
-        else:
-            next(c for c in body["choices"] if c["index"] == i)["prompt_logprobs"] = value
-        self.prompt_lp_sent[at] = True
-        return body
-
-    def with_ids(self, body: dict, final: bool = False, first: bool = False) -> dict:
-        """A chunk or response with vLLM's ``return_token_ids`` fields: the prompt's ids (chat: on the response, or
-        the stream's ``first`` chunk; completions: on each choice, streamed in its first chunk) and each choice's
-        generated ids (``final``: the response, or a choice's last chunk, holds all of them; a chunk before it [])."""
-        if not self.return_ids:
-            return body
-        if self.env.chat and first:
+        chat = self.env.chat
+        if self.return_ids and chat and first:
             body["prompt_token_ids"] = list(self.prompt_ids[0])
         for c in body["choices"]:
             j = c["index"]
-            if not self.env.chat and not self.ids_sent[j]:
-                c["prompt_token_ids"] = list(self.prompt_ids[j // self.n])
-                self.ids_sent[j] = True
-            c["token_ids"] = list(self.outputs[j].token_ids or []) if final else []
+            entries = self.outputs[j].prompt_logprobs if final and first else prompt_lp
+            at = 0 if chat else j
+            if self.prompt_k is not None and entries is not None and not self.prompt_lp_sent[at]:
+                (body if chat else c)["prompt_logprobs"] = p.prompt_logprobs_body(entries, self.prompt_k, self.text)
+                self.prompt_lp_sent[at] = True
+            if self.return_ids:
+                if not chat and not self.ids_sent[j]:
+                    c["prompt_token_ids"] = list(self.prompt_ids[j // self.n])
+                    self.ids_sent[j] = True
+                c["token_ids"] = list(self.outputs[j].token_ids or []) if final else []
         return body
 
     def usage(self) -> dict:
@@ -389,10 +388,7 @@ class _Choices:
         for i, o in enumerate(self.outputs):
             text, lp = self._text_and_logprobs(i, o.text, o.logprobs or [], o.prompt_logprobs)
             choices.append((text, p.finish_reason(o.finish_reason), lp))
-        body = self.env.response(choices, self.usage())
-        for i, o in enumerate(self.outputs):
-            self.with_prompt_logprobs(body, i, o.prompt_logprobs)
-        return self.with_ids(body, final=True, first=True)
+        return self.vllm_fields(self.env.response(choices, self.usage()), final=True, first=True)
 
 
 class _Server:
@@ -641,8 +637,7 @@ class _Server:
         if getattr(req, "echo", False):
             echoes = [x if isinstance(x, str) and not c else self.inputs.tokenizer.decode(ids)
                       for x, ids, c in zip(prompts, batch, cut)]
-        out = _Choices(self, env, rids, params[0], batch, echoes, req.return_token_ids, req.return_tokens_as_token_ids,
-                       req.prompt_logprobs)
+        out = _Choices(self, env, rids, params[0], batch, echoes, req)
         headers = {"x-request-id": env.id}
         if req.stream:
             stream = (self._stream(out, q, req.include_usage, arrival) if tools is None
@@ -707,8 +702,8 @@ class _Server:
         env = out.env
         try:
             if env.chat:
-                yield "".join(_sse(out.with_ids(env.chunk(text="", role=True, include_usage=include_usage, index=i),
-                                                first=i == 0))
+                yield "".join(_sse(out.vllm_fields(env.chunk(text="", role=True, include_usage=include_usage,
+                                                             index=i), first=i == 0))
                               for i in range(len(out.rids)))
             while not all(out.ended):
                 # every item already queued goes out in one write (one event each): when the loop
@@ -766,8 +761,8 @@ class _Server:
         text, sent = "", 0
         try:
             # (a tool-call message has no content, unless "auto" finds none)
-            yield _sse(out.with_ids(env.chunk(text="" if auto else None, role=True, include_usage=include_usage),
-                                    first=True))
+            yield _sse(out.vllm_fields(env.chunk(text="" if auto else None, role=True, include_usage=include_usage),
+                                       first=True))
             if named:
                 yield _sse(env.tool_chunk([{"index": 0, **guided.tool_call(tools.name, "")}], include_usage))
             last = None
@@ -808,9 +803,8 @@ class _Server:
                 tail.append(env.text_event(o.text[sent:], include_usage))
             if finish == "stop" and (calls or not auto):
                 finish = "tool_calls"
-            end = out.with_prompt_logprobs(env.chunk(text=None, finish=finish, include_usage=include_usage), 0,
-                                           o.prompt_logprobs)
-            tail.append(_sse(out.with_ids(end, final=True)))
+            tail.append(_sse(out.vllm_fields(env.chunk(text=None, finish=finish, include_usage=include_usage),
+                                             o.prompt_logprobs, final=True)))
             if include_usage:
                 tail.append(_sse(env.usage_chunk(out.usage())))
             tail.append(_sse("[DONE]"))
@@ -851,9 +845,8 @@ class _Server:
                                   else (None, tools.calls(o.text)))
                 if calls and reason == "stop":
                     reason = "tool_calls"
-                body = out.with_prompt_logprobs(out.env.response([(o.text, reason, None)], out.usage(), calls,
-                                                                 content), 0, o.prompt_logprobs)
-                return JSONResponse(out.with_ids(body, final=True, first=True), headers=headers)
+                body = out.env.response([(o.text, reason, None)], out.usage(), calls, content)
+                return JSONResponse(out.vllm_fields(body, final=True, first=True), headers=headers)
             return JSONResponse(out.response(), headers=headers)
         finally:
             watcher.cancel()

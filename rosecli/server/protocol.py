@@ -183,11 +183,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class _Body(BaseModel):
+    """A request body as `parse_body` reads it: strictly typed fields, others ignored."""
     model_config = _STRICT
     # the body's fields of `REFUSED` this model does not declare, as sent (``parse_body``)
     _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+
+class SamplingRequest(_Body):
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -383,12 +386,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize body: a completions ``prompt``, or chat ``messages`` with the fields that shape what the
     chat template renders."""
-    model_config = _STRICT
-    _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
-
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -410,11 +410,8 @@ class TokenizeRequest(BaseModel):
                                   "special tokens itself (leave add_special_tokens out)", "add_special_tokens")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Body):
     """vLLM's /detokenize body: token ids to turn back into text."""
-    model_config = _STRICT
-    _undeclared: dict[str, Any] = PrivateAttr(default_factory=dict)
-
     model: Optional[str] = None
     tokens: list[int]
 
@@ -585,7 +582,7 @@ def _find_surrogate(obj: Any) -> Optional[str]:
     return None
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
     """The request body as ``model``: strict UTF-8 JSON (no NaN / Infinity literals, no lone
     surrogates), an object, valid against the model; anything else is a 400 naming the field."""
     try:

@@ -107,6 +107,8 @@ def test_logprobs_echo_and_n_cross_the_pipe(remote):
         assert [c["text"] for c in batch["choices"][:2]] == [c["text"] for c in r["choices"][:2]]  # prompt 0
         err = http.post("/v1/completions", json={**body, "prompt": ["a"] * 3, "n": 2}).json()["error"]
         assert err["param"] == "prompt" and "--max-inflight-requests 4" in err["message"]  # 6 could never run
+        r = http.post("/v1/completions", json={**body, "n": 5})  # nor could 5 choices: a 400, not a 429 to retry
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
 
 
 def test_bad_requests_and_overload_are_answered_in_the_server_process(remote):

@@ -500,10 +500,11 @@ class _Server:
         if self.closing:
             raise p.shutting_down()
         total = sum(len(params) for _, params in groups)
-        if self.max_inflight and total > self.max_inflight and len(groups) > 1:
-            raise p.bad_request(f"prompt holds {len(groups)} prompts, {total} requests with n: more than "
-                                f"--max-inflight-requests {self.max_inflight} lets run at once (send fewer a "
-                                "request)", "prompt")
+        if self.max_inflight and total > self.max_inflight:  # it could never be admitted: not a 429 to retry
+            what = (f"prompt holds {len(groups)} prompts, {total} requests with n" if len(groups) > 1
+                    else f"n={total} is {total} requests")
+            raise p.bad_request(f"{what}: more than --max-inflight-requests {self.max_inflight} lets run at once",
+                                "prompt" if len(groups) > 1 else "n")
         if self.room is not None:
             await self.room.acquire()
         rids: list[int] = []

@@ -136,12 +136,13 @@ def test_the_2d_copy_struct_is_laid_out_as_cuda_h_says():
 
 
 @pytest.mark.gpu
-def test_a_decode_that_copies_the_used_columns_says_what_the_whole_rows_copy_says(tiny_engine_factory):
+def test_a_decode_that_copies_the_used_columns_says_what_the_whole_rows_copy_says(tiny_engine_factory, monkeypatch):
     """Through the driver, a step copies only the block-table columns its contexts span and its ids come back
     by the driver's copy; the tokens are those of torch's copies (whole rows; greedy and sampled rows, overlapped
-    steps, contexts crossing several blocks)."""
+    steps, contexts crossing several blocks). The copies, not the step's first kernel (`stage_inputs`)."""
     from rosecli.engine.config import SamplingParams
 
+    monkeypatch.setenv("ROSE_STAGE_KERNEL", "0")
     if driver() is None:
         pytest.fail("libcuda could not be loaded on a machine with a CUDA GPU")
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(6)]

@@ -1,9 +1,12 @@
 """The model runner: turns a scheduled batch into tensors, runs the model, samples.
 
 Decode writes the batch metadata into one pinned host staging area (numpy views, no tensor
-built per step), copies it with one ``non_blocking=True`` copy into a static device buffer, and
-replays the CUDA graph captured for the batch's padded size. Sampled ids come back with one
-device-to-host copy per step. Prefill runs eagerly (variable shapes).
+built per step) and replays the CUDA graph captured for the batch's padded size, whose first
+kernel reads the area into a static device buffer (`kernels.stage_inputs`) and whose argmax
+writes the greedy ids back into pinned memory: a greedy step is the graph alone, with no copy
+queued before or after it (the copies, ``non_blocking`` into the device buffer and back, remain
+where the device cannot read pinned memory, and for sampled ids). Prefill runs eagerly or as
+small graphs (`prefill_graphs`).
 
 A decode step is launched (`launch_decode`) and its sampled ids read later (`collect`), so the
 scheduler can prepare and launch step N+1 while the GPU still runs step N. A sequence whose last
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from typing import Callable, Optional
 
@@ -38,6 +42,7 @@ from rosecli.engine.stages import Stages
 from rosecli.engine.step_plan import StepPlan
 from rosecli.kernels.argmax import argmax as split_argmax, logits_argmax
 from rosecli.kernels.embed import gather_embed
+from rosecli.kernels.stage_inputs import HEADER_BYTES, stage_inputs
 
 CPU_DEFAULT_KV_TOKENS = 8192
 
@@ -65,20 +70,24 @@ class _DecodeGraph:
 class _Staging:
     """One host (pinned on CUDA) staging area for a decode step's inputs and its numpy views.
 
-    Layout, bytes: int64 [token pool: sampled (mb) | host ids (mb)] [src (mb)] [positions (mb)]
-    [slots (mb)], then int32 [context_lens (mb)] [block_tables (mb x nb)]. Everything from the
-    host ids on is copied in one piece; block-table rows come last so a step copies only the
-    rows it uses. ``src[i]`` picks row i's input id from the token pool: a row of the previous
-    step's samples, or ``mb + i`` for the id the host wrote.
+    Layout, bytes: a header of 8 int64 (`stage_inputs.HEADER_BYTES`: on the host the step's number,
+    rows and block-table columns to copy; on the device what `stage_inputs` keeps), then int64
+    [token pool: sampled (mb) | host ids (mb)] [src (mb)] [positions (mb)] [slots (mb)], then int32
+    [context_lens (mb)] [block_tables (mb x nb)]. Everything from the host ids on is copied in one
+    piece; block-table rows come last so a step copies only the rows it uses. ``src[i]`` picks row
+    i's input id from the token pool: a row of the previous step's samples, or ``mb + i`` for the id
+    the host wrote.
     """
 
-    __slots__ = ("buf", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables",
+    __slots__ = ("buf", "header", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables",
                  "row_tables", "row_views")
 
     def __init__(self, buf: torch.Tensor, mb: int, nb: int):
         self.buf = buf
-        i64 = buf[:self.INT64_FIELDS * 8 * mb].view(torch.int64)
-        i32 = buf[self.INT64_FIELDS * 8 * mb:].view(torch.int32)
+        h = HEADER_BYTES
+        self.header = buf[:h].view(torch.int64)
+        i64 = buf[h:h + self.INT64_FIELDS * 8 * mb].view(torch.int64)
+        i32 = buf[h + self.INT64_FIELDS * 8 * mb:].view(torch.int32)
         self.tokens, self.src = i64[:2 * mb], i64[2 * mb:3 * mb]
         self.host_ids = i64[mb:2 * mb]
         self.positions, self.slots = i64[3 * mb:4 * mb], i64[4 * mb:5 * mb]
@@ -87,7 +96,7 @@ class _Staging:
 
     def numpy(self) -> "_Staging":
         view = object.__new__(_Staging)
-        for name in ("tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables"):
+        for name in ("header", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables"):
             setattr(view, name, getattr(self, name).numpy())
         view.buf, view.row_tables = self.buf, self.row_tables
         # memoryviews of the per-row fields: storing a Python int through one costs less than a
@@ -105,7 +114,7 @@ class _Staging:
     @classmethod
     def copied_span(cls, mb: int, nb: int, rows: int) -> tuple[int, int]:
         """Bytes a step copies: from the host ids through block-table row ``rows - 1``."""
-        return 8 * mb, cls.INT64_FIELDS * 8 * mb + 4 * mb + 4 * rows * nb
+        return HEADER_BYTES + 8 * mb, HEADER_BYTES + cls.INT64_FIELDS * 8 * mb + 4 * mb + 4 * rows * nb
 
 
 class DecodeLaunch:
@@ -275,7 +284,15 @@ class ModelRunner:
             self._host_staging[1] = self._host_staging[0]
             self._np_staging[1] = self._np_staging[0]
             self._events = [None, None]
-        self._flip = 0  # which staging area / sampled buffer the next launch uses
+        # launches so far (prefill ones too): the staging area / sampled-id buffer a launch uses is its number's
+        # parity, and a decode launch's number goes to the device in its area's header (`stage_inputs`)
+        self._seq = 0
+        # the device reads a decode step's inputs from the host areas in the step's first kernel and writes greedy
+        # ids back the same way (`kernels.stage_inputs`), instead of copies before and after the step: on CUDA with
+        # the Triton kernels, unless ROSE_STAGE_KERNEL=0 (the copies, for A/B measurements) or the check at
+        # start-up fails (`_check_stage_kernel`)
+        self._stage_kernel = self.is_cuda and self.use_triton and os.environ.get("ROSE_STAGE_KERNEL", "1") != "0"
+        self._greedy_to_host = False  # the decode forward writes the greedy ids into `h_sampled` (`_decode_forward`)
         self._input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (`_copy_decode_inputs`)
         self._rows_copy = None  # `aside_copy.RowsCopy` once made, False where the driver is not there
         self._ids_fetch = None  # `aside_copy.IdsFetch`, the same way (`_fetch`; both from `_make_driver_copies`)
@@ -299,6 +316,7 @@ class ModelRunner:
         if progress:
             progress("compile", 0, 1)
         t0 = time.perf_counter()
+        self._check_stage_kernel()
         self._warmup_kernels()
         self._warmup_sampler()
         torch.cuda.synchronize(self.device)
@@ -468,6 +486,8 @@ class ModelRunner:
         if not meta.use_triton and getattr(self.model, "native_decode", lambda: None)() is None:
             meta = with_decode_gather(meta, self.block_size, self.model.num_kv_heads, self.dtype)
         d = self.dev_staging
+        if self._stage_kernel:  # (the padded batch's rows: a graph's, or the eager step's)
+            self._stage(batch)
         if self._embed_tables is False:  # (once: the tables are the loaded model's for good)
             self._embed_tables = getattr(self.model, "decode_embeddings", lambda: None)() if self.use_triton else None
         tables = self._embed_tables
@@ -481,10 +501,12 @@ class ModelRunner:
             hidden = self.model(input_ids, d.positions[:batch], meta)
         gemm = getattr(self.model, "logits_gemm", None) if self.use_graphs else None
         raw = gemm(hidden, meta.fused_ops) if gemm is not None else None
+        self._greedy_to_host = raw is not None and self._stage_kernel
         if raw is not None:  # in the decode graph: one pass makes the float32 logits and the greedy argmax, which
-            # its last kernel also writes into the next step's inputs (if every row is greedy)
+            # its last kernel also writes into the next step's inputs (if every row is greedy), and for the host
+            to_host = (self.h_sampled[0], self.h_sampled[1], d.header) if self._greedy_to_host else None
             logits, greedy = logits_argmax(raw, self.model.vocab_size, store_flag=self._store_logits,
-                                           copy_to=d.tokens[:batch])
+                                           copy_to=d.tokens[:batch], to_host=to_host)
         else:
             logits = self.model.compute_logits(hidden)
             greedy = split_argmax(logits) if self.use_graphs else logits.argmax(dim=-1)
@@ -492,10 +514,39 @@ class ModelRunner:
         return logits, greedy, raw
 
     def _next_buffers(self) -> int:
-        """Which staging area / sampled-id buffer this launch uses; the next launch takes the other."""
-        flip = self._flip
-        self._flip ^= 1
-        return flip
+        """Which staging area / sampled-id buffer this launch uses (the parity of its number, `_seq`); the next
+        launch takes the other."""
+        self._seq += 1
+        return self._seq & 1
+
+    def _stage(self, rows: int) -> None:
+        """The decode step's first kernel: its inputs from the host area the device has not staged yet."""
+        start, tables = _Staging.copied_span(self.max_batch_size, self.max_blocks_per_seq, 0)
+        stage_inputs((self._host_staging[0].buf, self._host_staging[1].buf), self.dev_staging.buf, start, tables,
+                     self.max_blocks_per_seq, rows)
+
+    def _check_stage_kernel(self) -> None:
+        """Run `stage_inputs` once on a pattern and keep it only if the device read the pinned area right (a
+        platform where pinned memory is not mapped into the device's address space then copies the inputs)."""
+        if not self._stage_kernel:
+            return
+        host, dev = self._host_staging[0], self.dev_staging
+        start, end = _Staging.copied_span(self.max_batch_size, self.max_blocks_per_seq, 1)
+        saved = host.buf.clone()
+        host.buf[start:end] = torch.arange(end - start, dtype=torch.int64).remainder(251).to(torch.uint8)
+        host.header[:3] = torch.tensor([0, 1, self.max_blocks_per_seq])  # (both areas' seq 0: the first is read)
+        try:
+            self._stage(1)
+            ok = torch.equal(dev.buf[start:end].cpu(), host.buf[start:end])
+            why = "the device read other bytes than the host wrote"
+        except Exception as e:  # noqa: BLE001 - the copies are always correct
+            ok, why = False, f"{type(e).__name__}: {e}"
+        torch.cuda.synchronize(self.device)
+        host.buf.copy_(saved)
+        dev.buf.zero_()
+        if not ok:
+            self._stage_kernel = False
+            self.log(f"decode inputs: the device cannot read pinned host memory here ({why}); they are copied")
 
     def _copy_decode_inputs(self, staging: _Staging, rows: int, blocks: Optional[int] = None) -> None:
         """Host to device: host ids through the first ``rows`` block-table rows, of which only the first
@@ -636,7 +687,14 @@ class ModelRunner:
         self.decode_context_tokens += ctx_total
         self._launch_rows, self._next_launch_rows = launch_rows, last_rows
         with stages.range("h2d_copy", rows):
-            self._copy_decode_inputs(host, rows, -(-max_ctx // bs))
+            blocks = -(-max_ctx // bs)
+            if self._stage_kernel:  # the step's first kernel reads them: the header says what, its number last
+                header = st.header
+                header[1] = rows
+                header[2] = min(blocks, self.max_blocks_per_seq)
+                header[0] = self._seq
+            else:
+                self._copy_decode_inputs(host, rows, blocks)
             self._logits_wanted()
         with stages.range("decode_forward", rows):
             if graph is not None:
@@ -647,7 +705,9 @@ class ModelRunner:
         with stages.range("sampling", batch):
             ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows,
                                    raw=raw)
-            if ids_dev is not greedy and ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
+            if ids_dev is greedy:
+                self._ids_on_host = self._greedy_to_host  # (the forward's argmax wrote them into `h_sampled`)
+            elif ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
 

@@ -69,8 +69,8 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, out_ptr, bits_ptr, bits_stri
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, copy_ptr, n_chunks, BLOCK: tl.constexpr, COPY: tl.constexpr,
-                         PDL: tl.constexpr):
+def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, copy_ptr, host0_ptr, host1_ptr, seq_ptr, n_chunks,
+                         BLOCK: tl.constexpr, COPY: tl.constexpr, HOST: tl.constexpr, PDL: tl.constexpr):
     pdl_begin(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
@@ -86,6 +86,8 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, copy_ptr, n_chunks, BLOCK: t
     tl.store(out_ptr + row, ids)
     if COPY:  # (a second home for the ids: the decode step's token pool, `logits_argmax`'s ``copy_to``)
         tl.store(copy_ptr + row, ids)
+    if HOST:  # (and a third: pinned host memory, the buffer of the step's parity, `logits_argmax`'s ``to_host``)
+        tl.store(tl.where(tl.load(seq_ptr) % 2 == 1, host1_ptr, host0_ptr) + row, ids)
 
 
 def chunk_for(rows: int, n_cols: int) -> int:
@@ -101,7 +103,8 @@ def chunk_for(rows: int, n_cols: int) -> int:
 def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
                   out: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None,
                   ids: Optional[torch.Tensor] = None, store_flag: Optional[torch.Tensor] = None,
-                  copy_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  copy_to: Optional[torch.Tensor] = None,
+                  to_host: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     rows, width = x.shape
     n_cols = width if n_cols is None else n_cols
     if not 0 < n_cols <= width:
@@ -130,9 +133,13 @@ def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
     pdl = use_pdl(x.device, "argmax")
     if copy_to is not None:
         assert copy_to.dtype == torch.int64 and copy_to.shape == (rows,) and copy_to.is_contiguous()
-    _argmax_final_kernel[(rows,)](vals, idx, ids, copy_to if copy_to is not None else ids, n_chunks,
-                                  BLOCK=max(16, triton.next_power_of_2(n_chunks)), COPY=copy_to is not None, PDL=pdl,
-                                  num_warps=1 if n_chunks <= 128 else 2, launch_pdl=pdl)
+    if to_host is not None:
+        assert all(h.dtype == torch.int64 and h.numel() >= rows for h in to_host[:2]) and to_host[2].dtype == torch.int64
+    host0, host1, seq = to_host if to_host is not None else (ids, ids, ids)
+    _argmax_final_kernel[(rows,)](vals, idx, ids, copy_to if copy_to is not None else ids, host0, host1, seq, n_chunks,
+                                  BLOCK=max(16, triton.next_power_of_2(n_chunks)), COPY=copy_to is not None,
+                                  HOST=to_host is not None, PDL=pdl, num_warps=1 if n_chunks <= 128 else 2,
+                                  launch_pdl=pdl)
     return ids
 
 
@@ -151,7 +158,9 @@ def logits_argmax_ref(raw: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, tor
 
 def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None,
                   store_flag: Optional[torch.Tensor] = None,
-                  copy_to: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  copy_to: Optional[torch.Tensor] = None,
+                  to_host: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`logits_argmax_ref` in the same two launches as `argmax`: stage 1 also writes the float32
     logits, so the conversion of the GEMM's output (one kernel and a write) and the argmax (a
     second read of what it wrote) become one pass over the GEMM's output. Bit-equal to the
@@ -159,9 +168,12 @@ def logits_argmax(raw: torch.Tensor, n_cols: int, chunk: Optional[int] = None,
     logits are written only while it is non-zero (a CUDA graph of a greedy step whose logits nobody
     reads skips the write, 4 bytes per vocabulary entry and row); otherwise the buffer is left as it was.
     ``copy_to`` (int64 [rows]): the ids are also written there, by the same kernel (a decode step's next inputs,
-    without a copy after it)."""
+    without a copy after it). ``to_host`` (two int64 buffers of at least ``rows`` in pinned host memory, and an int64
+    ``seq`` on the device): the ids are also written into the first buffer when ``seq`` (read when the kernel runs)
+    is even, the second when it is odd (a decode step's ids for the host, without a copy after it:
+    `stage_inputs`)."""
     logits = torch.empty((raw.shape[0], n_cols), dtype=torch.float32, device=raw.device)
-    return logits, _split_argmax(raw, n_cols, chunk, logits, store_flag=store_flag, copy_to=copy_to)
+    return logits, _split_argmax(raw, n_cols, chunk, logits, store_flag=store_flag, copy_to=copy_to, to_host=to_host)
 
 
 MASKED_CHUNK = 2048  # one chunk size for every batch: the masked argmax runs outside the decode graphs,

@@ -12,8 +12,10 @@ kernel before it reads is written, before ``gdc_wait`` returns. `pdl_begin` wait
 be read before it: the skinny GEMM fetches its first weight tile and its epilogue's bias and rows' positions and
 cache slots (not the rotary tables' entries nor the next norm's scale: both measured slower, `_skinny_kernel`),
 `add_norm` its weight and biases, and decode attention each sequence's length, position and slot and the rotary
-tables (the sequences' inputs are copied by the host before the step); a kernel launched early then has them when
-the kernel before ends.
+tables; a kernel launched early then has them when the kernel before ends. The sequences' inputs are written by the
+step's first kernel (`stage_inputs`, launched without PDL), which ends before the second kernel's ``gdc_wait``
+returns, and that one lets the third launch only after it: every kernel from the third on is launched after the
+inputs are written.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
 ``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax, embed), for A/B

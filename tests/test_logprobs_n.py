@@ -177,6 +177,14 @@ def test_manager_logprobs_and_choices(tiny_engine_factory, device):
         for e, t in zip(with_lp.logprobs, with_lp.token_ids):  # greedy: the chosen token is the most likely
             assert e.token_id == t == e.top[0][0] and e.logprob == pytest.approx(e.top[0][1])
             assert [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True) and len(e.top) == 5
+        echoed = m.result(m.add_request(prompt, _sp(max_new_tokens=1, prompt_logprobs=4)))
+        plp = echoed.prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None and echoed.token_ids == plain.token_ids[:1]
+        for t, e in zip(prompt[1:], plp[1:]):  # each prompt token's rank agrees with the top 4 it is ranked among
+            assert e.token_id == t and len(e.top) == 4 and isinstance(e.rank, int)
+            assert e.rank >= 1 + sum(v > e.logprob + 1e-3 for _, v in e.top)
+            if any(v < e.logprob - 1e-3 for _, v in e.top):
+                assert e.rank <= sum(v >= e.logprob - 1e-3 for _, v in e.top)
         params = _choices(4, max_new_tokens=8, temperature=1.0, seed=3)
         before = m.stats()["prefill_tokens"]
         outs = [m.result(r) for r in m.add_choices(prompt, params)]

@@ -7,7 +7,7 @@ import torch
 
 from rosecli.engine.runner import _Staging
 from rosecli.kernels.argmax import logits_argmax
-from rosecli.kernels.stage_inputs import pick_ref, stage_inputs, stage_inputs_ref
+from rosecli.kernels.stage_inputs import pick_ref, publish_ids, stage_inputs, stage_inputs_ref
 
 MB, NB = 4, 40  # a long-context model's tables: 40 blocks a row
 
@@ -112,6 +112,20 @@ def test_the_argmax_writes_the_ids_into_the_host_buffer_of_the_steps_parity(seq)
     assert torch.equal(ids, want) and torch.equal(tokens, want)
     assert torch.equal(hosts[seq & 1][:5], want) and (hosts[seq & 1][5:] == -1).all()
     assert (hosts[(seq & 1) ^ 1] == -1).all()  # the other step's buffer, which the host may be reading, is left
+
+
+@pytest.mark.parametrize("seq", [4, 9])
+def test_sampled_ids_go_to_the_token_pool_and_the_host_buffer_of_the_steps_parity(seq):
+    ids = torch.tensor([7, 3, 99], dtype=torch.long)
+    tokens = torch.full((8,), -5, dtype=torch.long)
+    hosts = [torch.full((8,), -1, dtype=torch.long) for _ in range(2)]
+    header = torch.zeros(8, dtype=torch.long)
+    header[0] = seq
+    publish_ids(ids, tokens, (hosts[0], hosts[1]), header, 8)
+    assert tokens.tolist() == [7, 3, 99] + [-5] * 5  # the sampled half of the pool, these rows only
+    assert hosts[seq & 1].tolist() == [7, 3, 99] + [-1] * 5 and (hosts[(seq & 1) ^ 1] == -1).all()
+    with pytest.raises(ValueError, match="in a block of 2"):
+        publish_ids(ids, tokens, (hosts[0], hosts[1]), header, 2)
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ from rosecli.engine.stages import Stages
 from rosecli.engine.step_plan import StepPlan
 from rosecli.kernels.argmax import argmax as split_argmax, logits_argmax
 from rosecli.kernels.embed import gather_embed
-from rosecli.kernels.stage_inputs import HEADER_BYTES, stage_inputs
+from rosecli.kernels.stage_inputs import HEADER_BYTES, publish_ids, stage_inputs
 
 CPU_DEFAULT_KV_TOKENS = 8192
 
@@ -72,15 +72,16 @@ class _Staging:
 
     Layout, bytes: a header of 8 int64 (`stage_inputs.HEADER_BYTES`: on the host the step's number,
     rows and block-table columns to copy; on the device what `stage_inputs` keeps), then int64
-    [token pool: sampled (mb) | host ids (mb)] [src (mb)] [positions (mb)] [slots (mb)], then int32
-    [context_lens (mb)] [block_tables (mb x nb)]. Everything from the host ids on is copied in one
+    [token pool: sampled (mb) | host ids (mb)] [src (mb)] [positions (mb)] [slots (mb)] [sampling slots
+    (mb): each row's in the sampler, written while a row samples], then int32 [context_lens (mb)]
+    [block_tables (mb x nb)]. Everything from the host ids on is copied in one
     piece; block-table rows come last so a step copies only the rows it uses. ``src[i]`` picks row
     i's input id from the token pool: a row of the previous step's samples, or ``mb + i`` for the id
     the host wrote.
     """
 
-    __slots__ = ("buf", "header", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables",
-                 "row_tables", "row_views")
+    __slots__ = ("buf", "header", "tokens", "host_ids", "src", "positions", "slots", "sample_slots", "context_lens",
+                 "block_tables", "row_tables", "row_views")
 
     def __init__(self, buf: torch.Tensor, mb: int, nb: int):
         self.buf = buf
@@ -91,12 +92,14 @@ class _Staging:
         self.tokens, self.src = i64[:2 * mb], i64[2 * mb:3 * mb]
         self.host_ids = i64[mb:2 * mb]
         self.positions, self.slots = i64[3 * mb:4 * mb], i64[4 * mb:5 * mb]
+        self.sample_slots = i64[5 * mb:6 * mb]
         self.context_lens, self.block_tables = i32[:mb], i32[mb:].view(mb, nb)
         self.row_tables: list = [None] * mb  # the block table (list object) each row was written from
 
     def numpy(self) -> "_Staging":
         view = object.__new__(_Staging)
-        for name in ("header", "tokens", "host_ids", "src", "positions", "slots", "context_lens", "block_tables"):
+        for name in ("header", "tokens", "host_ids", "src", "positions", "slots", "sample_slots", "context_lens",
+                     "block_tables"):
             setattr(view, name, getattr(self, name).numpy())
         view.buf, view.row_tables = self.buf, self.row_tables
         # memoryviews of the per-row fields: storing a Python int through one costs less than a
@@ -105,7 +108,7 @@ class _Staging:
                                for name in ("src", "host_ids", "positions", "slots", "context_lens"))
         return view
 
-    INT64_FIELDS = 5  # sampled, host ids, src, positions, slots
+    INT64_FIELDS = 6  # sampled, host ids, src, positions, slots, sampling slots
 
     @classmethod
     def nbytes(cls, mb: int, nb: int) -> int:
@@ -293,6 +296,8 @@ class ModelRunner:
         # start-up fails (`_check_stage_kernel`)
         self._stage_kernel = self.is_cuda and self.use_triton and os.environ.get("ROSE_STAGE_KERNEL", "1") != "0"
         self._greedy_to_host = False  # the decode forward writes the greedy ids into `h_sampled` (`_decode_forward`)
+        self._published = False  # the step's sampled ids were written into `h_sampled` (`_sampled`)
+        self._publish_block = 1 << max(0, self.max_batch_size - 1).bit_length()  # (`publish_ids`: one variant)
         self._input_views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (`_copy_decode_inputs`)
         self._rows_copy = None  # `aside_copy.RowsCopy` once made, False where the driver is not there
         self._ids_fetch = None  # `aside_copy.IdsFetch`, the same way (`_fetch`; both from `_make_driver_copies`)
@@ -526,8 +531,9 @@ class ModelRunner:
                      self.max_blocks_per_seq, rows)
 
     def _check_stage_kernel(self) -> None:
-        """Run `stage_inputs` once on a pattern and keep it only if the device read the pinned area right (a
-        platform where pinned memory is not mapped into the device's address space then copies the inputs)."""
+        """Run `stage_inputs` and `publish_ids` once on patterns (compiling them) and keep them only if the device read
+        the pinned area and wrote the pinned buffer right (a platform where pinned memory is not mapped into the
+        device's address space then copies the inputs and the ids)."""
         if not self._stage_kernel:
             return
         host, dev = self._host_staging[0], self.dev_staging
@@ -539,6 +545,11 @@ class ModelRunner:
             self._stage(1)
             ok = torch.equal(dev.buf[start:end].cpu(), host.buf[start:end])
             why = "the device read other bytes than the host wrote"
+            ids = torch.arange(3, 3 + self.max_batch_size, device=self.device)  # (and the sampler's way back, compiled)
+            publish_ids(ids, dev.tokens, (self.h_sampled[0], self.h_sampled[1]), dev.header, self._publish_block)
+            torch.cuda.synchronize(self.device)
+            if ok and not torch.equal(self.h_sampled[0][:len(ids)], ids.cpu()):
+                ok, why = False, "the device's writes did not reach the host's buffer"
         except Exception as e:  # noqa: BLE001 - the copies are always correct
             ok, why = False, f"{type(e).__name__}: {e}"
         torch.cuda.synchronize(self.device)
@@ -680,6 +691,10 @@ class ModelRunner:
                     row_tables[i] = table
                 if n > max_ctx:
                     max_ctx = n
+            if self._special:  # a row samples: each row's sampling slot goes with the inputs (`_sample_ids`)
+                samp = st.sample_slots
+                for i, s in enumerate(seqs):
+                    samp[i] = slots_of[s.request_id]
             if rows > batch:
                 self._pad_rows(st, batch, rows)
         self.decode_steps += 1
@@ -704,9 +719,11 @@ class ModelRunner:
                 logits, greedy, raw = self._decode_forward(batch, self._meta_for(batch, max_ctx))
         with stages.range("sampling", batch):
             ids_dev = self._sample(seqs, logits, greedy, flip, static=graph is not None, last_rows=last_rows,
-                                   raw=raw)
+                                   raw=raw, staged=True)
             if ids_dev is greedy:
                 self._ids_on_host = self._greedy_to_host  # (the forward's argmax wrote them into `h_sampled`)
+            elif self._published:  # (so did the sampler's last kernel, and into the token pool)
+                self._ids_on_host = True
             elif ids_dev.data_ptr() != self.dev_staging.tokens.data_ptr():
                 self.dev_staging.tokens[:batch].copy_(ids_dev)
         return DecodeLaunch(seqs, *self._fetch(ids_dev, batch, flip))
@@ -757,14 +774,15 @@ class ModelRunner:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                 flip: int, static: bool = False, last_rows: Optional[dict] = None,
-                raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+                raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
         """The batch's next ids on the device (every request holds its sampling slot: the callers
         `_acquire` it before its first sampled token); while every admitted request is plain greedy, the
         model's argmax (computed inside the decode graph) is the answer and the sampler is not called.
         ``static``: ``logits`` is a decode graph's output buffer, so the sampler's kernels can be a graph
-        of their own. ``raw``: the decode step's logits GEMM output (`_DecodeGraph`), where it kept one."""
+        of their own. ``raw``: the decode step's logits GEMM output (`_DecodeGraph`), where it kept one. ``staged``:
+        a decode step, whose rows' sampling slots went to the device with its inputs."""
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
-        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw)
+        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw, staged)
         if lp is not None:
             rows, ks, rows_t, lp = lp
             self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
@@ -786,7 +804,8 @@ class ModelRunner:
 
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                     flip: int, static: bool, last_rows: Optional[dict] = None,
-                    raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
+        self._published = False
         if not self._special:
             # greedy rows under a grammar: their masked logits' argmax; the other rows' masks are
             # all ones, so their argmax is the model's (no sampler kernels for anyone)
@@ -797,24 +816,38 @@ class ModelRunner:
         slots = self._slots
         st = self.sampler
         batch = len(seqs)
-        h = self._np_slot_rows[flip]
-        for i, s in enumerate(seqs):
-            h[i] = slots[s.request_id]
-        d = self._d_slot_rows[:batch]
-        d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
+        if staged:  # (`launch_decode` wrote them beside the step's inputs)
+            d = self.dev_staging.sample_slots[:batch]
+        else:
+            h = self._np_slot_rows[flip]
+            for i, s in enumerate(seqs):
+                h[i] = slots[s.request_id]
+            d = self._d_slot_rows[:batch]
+            d.copy_(self._h_slot_rows[flip][:batch], non_blocking=self.is_cuda)
         if self.structured is not None and self.structured.active:  # grammar rows: masked in place, eagerly
             self.structured.mask_logits(seqs, logits, self._pending_reader(last_rows, flip ^ 1), PENDING)
         st.flush()
+        # a decode step's ids go to the next step's token pool and the host from the sampler's last kernel
+        publish = staged and self._stage_kernel
         if not (static and self.use_graphs):
-            return st.sample(logits, d).token_ids
+            return self._sampled(st.sample(logits, d).token_ids, publish)
         key = (logits.data_ptr(), batch, st.variant())
         g = self._sampler_graphs.get(key, False)
         if g:
             g.graph.replay()
+            self._published = publish
             return g.ids
-        ids = st.sample(logits, d).token_ids  # this step's answer; also loads the kernels for the capture
+        ids = self._sampled(st.sample(logits, d).token_ids, publish)  # also loads the kernels for the capture
         if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
-            self._sampler_graphs[key] = self._capture_sampler(logits, d)
+            self._sampler_graphs[key] = self._capture_sampler(logits, d, publish)
+        return ids
+
+    def _sampled(self, ids: torch.Tensor, publish: bool) -> torch.Tensor:
+        """The sampler's ids, and with ``publish`` also in the token pool and the step's host buffer (`publish_ids`)."""
+        if publish:
+            publish_ids(ids, self.dev_staging.tokens, (self.h_sampled[0], self.h_sampled[1]), self.dev_staging.header,
+                        self._publish_block)
+            self._published = True
         return ids
 
     def _masked_greedy_ids(self, logits: torch.Tensor, static: bool, flip: int,
@@ -882,10 +915,10 @@ class ModelRunner:
 
         return read
 
-    def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor) -> Optional[_SamplerGraph]:
-        """Record `SamplerState.sample` on these (static) buffers; recording runs nothing, so the
-        sampler's state (counts, steps) is not touched."""
-        return self._capture(lambda: self.sampler.sample(logits, slots).token_ids)
+    def _capture_sampler(self, logits: torch.Tensor, slots: torch.Tensor, publish: bool) -> Optional[_SamplerGraph]:
+        """Record `SamplerState.sample` (and `publish_ids`) on these (static) buffers; recording runs nothing,
+        so the sampler's state (counts, steps) is not touched."""
+        return self._capture(lambda: self._sampled(self.sampler.sample(logits, slots).token_ids, publish))
 
     def _capture(self, fn: Callable[[], torch.Tensor]) -> Optional[_SamplerGraph]:
         """A graph of ``fn`` (sampling kernels on static buffers) and the ids tensor it returns.

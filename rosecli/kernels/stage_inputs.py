@@ -107,3 +107,25 @@ def stage_inputs(host: tuple[torch.Tensor, torch.Tensor], dev: torch.Tensor, sta
     n_fields = (tables - start) // 4
     grid = min(programs or MAX_PROGRAMS, triton.cdiv(n_fields + rows * pitch, CHUNK))
     _stage_kernel[(max(1, grid),)](h0, h1, d, start // 4, n_fields, tables // 4, pitch, CHUNK=CHUNK, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _publish_kernel(ids_ptr, tokens_ptr, host0_ptr, host1_ptr, seq_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    keep = i < n
+    ids = tl.load(ids_ptr + i, mask=keep)
+    tl.store(tokens_ptr + i, ids, mask=keep)
+    tl.store(tl.where(tl.load(seq_ptr) % 2 == 1, host1_ptr, host0_ptr) + i, ids, mask=keep)
+
+
+def publish_ids(ids: torch.Tensor, tokens: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor], seq: torch.Tensor,
+                block: int) -> None:
+    """A sampled step's ids (int64 [n]) into the next step's token pool (``tokens``, on the device) and into the host
+    buffer of the step's parity (``host``: pinned, read when ``seq``, the staged step's number on the device, is even /
+    odd), in one launch after the sampler's (the greedy ids get both from the argmax: `logits_argmax`). ``block``: a
+    power of two at least ``n``, one for every ``n`` (one compiled variant)."""
+    n = ids.numel()
+    if ids.dtype != torch.int64 or not n <= block or any(t.dtype != torch.int64 or t.numel() < n
+                                                          for t in (tokens, *host)):
+        raise ValueError(f"publish_ids: {n} int64 ids into int64 buffers of as many, in a block of {block}")
+    _publish_kernel[(1,)](ids, tokens, host[0], host[1], seq, n, BLOCK=block, num_warps=4)

@@ -8,7 +8,8 @@ count goes into the range name (``decode_forward n=64``); host time is taken wit
 Where each stage runs: ``scheduler_step`` encloses ``prefill_admission``, ``prepare_inputs``,
 ``h2d_copy``, ``prefill_forward`` / ``decode_forward``, ``sampling`` and ``d2h_copy`` (the last
 waits for the GPU, so it holds the device time the host did not overlap; with overlap scheduling
-a decode step's ``d2h_copy`` waits for the step launched before it). The streaming manager's
+a decode step's ``d2h_copy`` waits for the step launched before it; on a GPU a decode step queues no copy,
+`kernels.stage_inputs`, so its ``h2d_copy`` is the host handing the step's inputs over). The streaming manager's
 ``detokenize_fanout`` and ``stream_flush`` follow each step.
 """
 

@@ -4,9 +4,10 @@ Decode writes the batch metadata into one pinned host staging area (numpy views,
 built per step) and replays the CUDA graph captured for the batch's padded size, whose first
 kernel reads the area into a static device buffer (`kernels.stage_inputs`) and whose argmax
 writes the greedy ids back into pinned memory: a greedy step is the graph alone, with no copy
-queued before or after it (the copies, ``non_blocking`` into the device buffer and back, remain
-where the device cannot read pinned memory, and for sampled ids). Prefill runs eagerly or as
-small graphs (`prefill_graphs`).
+queued before or after it, and a sampled one adds the sampler's graph, whose last kernel does the
+same for its ids (`publish_ids`). The copies, ``non_blocking`` into the device buffer and back,
+remain where the device cannot read pinned memory (and for a prefill's ids). Prefill runs eagerly
+or as small graphs (`prefill_graphs`).
 
 A decode step is launched (`launch_decode`) and its sampled ids read later (`collect`), so the
 scheduler can prepare and launch step N+1 while the GPU still runs step N. A sequence whose last

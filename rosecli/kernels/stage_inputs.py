@@ -7,7 +7,8 @@ and its ids came back through a copy queued after it. Each of those operations o
 us of a step in which the device did nothing (GPT-2 at one row: 262 us a step against 242 us for the graph alone).
 `stage_inputs` is a kernel at the start of the graph that reads the staging area itself (pinned memory is mapped into
 the device's address space) and writes the device's copy of it; the greedy argmax at the end of the graph writes
-the ids into pinned memory the same way (`argmax.logits_argmax`'s ``to_host``).
+the ids into pinned memory the same way (`argmax.logits_argmax`'s ``to_host``), and a sampled step's graph ends with
+`publish_ids`, which writes the sampler's ids into the next step's token pool and pinned memory.
 
 Which of the two areas: a graph's arguments are fixed when it is captured, so the kernel reads both areas' headers
 (``seq``: the step's number, growing by one or more a step; ``rows``; ``width``: block-table columns to copy) and

@@ -134,7 +134,7 @@ def _split_argmax(x: torch.Tensor, n_cols: Optional[int], chunk: Optional[int],
     if copy_to is not None:
         assert copy_to.dtype == torch.int64 and copy_to.shape == (rows,) and copy_to.is_contiguous()
     if to_host is not None:
-        assert all(h.dtype == torch.int64 and h.numel() >= rows for h in to_host[:2]) and to_host[2].dtype == torch.int64
+        assert all(t.dtype == torch.int64 for t in to_host) and min(t.numel() for t in to_host[:2]) >= rows
     host0, host1, seq = to_host if to_host is not None else (ids, ids, ids)
     _argmax_final_kernel[(rows,)](vals, idx, ids, copy_to if copy_to is not None else ids, host0, host1, seq, n_chunks,
                                   BLOCK=max(16, triton.next_power_of_2(n_chunks)), COPY=copy_to is not None,

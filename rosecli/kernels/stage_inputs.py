@@ -73,7 +73,7 @@ def _headers(host: tuple[torch.Tensor, torch.Tensor], dev: torch.Tensor):
 
 def pick_ref(host: tuple[torch.Tensor, torch.Tensor], dev: torch.Tensor) -> int:
     """Which host area the step's kernel reads (0 or 1): see the module's doc."""
-    (s0, s1), prev = (int(h[:HEADER_BYTES].view(torch.int64)[0]) for h in host), int(dev[:HEADER_BYTES].view(torch.int64)[0])
+    s0, s1, prev = (int(t[:HEADER_BYTES].view(torch.int64)[0]) for t in (*host, dev))
     new0, new1 = s0 > prev, s1 > prev
     if new0 and new1:
         return int(s1 < s0)

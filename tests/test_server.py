@@ -240,6 +240,39 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(live, client, http):
     _bad(http, "/detokenize", {"tokens": "abc"}, param="tokens")
 
 
+def test_a_text_prompt_gets_the_special_tokens_its_tokenizer_adds_as_vllm_gives_them(cache_dir):
+    """vLLM's add_special_tokens: a completions prompt (and /tokenize's) begins with what the model's tokenizer adds
+    to one (Llama 3's <|begin_of_text|>; here a BOS made up for the test) unless the request says false; token ids
+    are taken as sent; chat leaves it to the template, and the engine's own text prompts get it too."""
+    from tokenizers import processors
+
+    srv = LiveServer(cache_dir)
+    try:
+        tok = srv.engine.inputs.tokenizer
+        plain = tok.encode("The quick brown fox", add_special_tokens=False)
+        tok._tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)])
+        http = httpx.Client(base_url=srv.url, timeout=30)
+        body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 2, "temperature": 0,
+                "return_token_ids": True}
+        got = http.post("/v1/completions", json=body).json()
+        assert got["choices"][0]["prompt_token_ids"] == [0] + plain and got["usage"]["prompt_tokens"] == len(plain) + 1
+        without = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
+        assert without["choices"][0]["prompt_token_ids"] == plain
+        ids = http.post("/v1/completions", json={**body, "prompt": plain}).json()  # ids: as sent
+        assert ids["choices"][0]["prompt_token_ids"] == plain
+        assert http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"] == [0] + plain
+        assert http.post("/tokenize", json={"prompt": "The quick brown fox",
+                                            "add_special_tokens": False}).json()["tokens"] == plain
+        _bad(http, "/v1/completions", {**body, "add_special_tokens": "yes"}, param="add_special_tokens")
+        msgs = [{"role": "user", "content": "Hi"}]
+        _bad(http, "/v1/chat/completions", {"model": MODEL, "messages": msgs, "add_special_tokens": True},
+             param="add_special_tokens")
+        assert srv.engine.inputs.process("The quick brown fox") == [0] + plain  # `rose generate --no-chat`'s way
+    finally:
+        srv.stop()
+
+
 def test_chat_streaming_shape_and_usage(live, client):
     content = "Tell me about the sea."
     full = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],

@@ -146,13 +146,13 @@ COMMON_REFUSED = [
     ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]),
-    ("add_special_tokens", True),
 ]
 # tools are a chat feature (tests/test_server_structured.py has them, and structured output)
 COMPLETION_REFUSED = COMMON_REFUSED + [("best_of", 2), ("suffix", "end"),
                                       ("tools", [{"type": "function", "function": {"name": "f"}}]),
                                       ("tool_choice", "required"), ("parallel_tool_calls", False)]
 CHAT_REFUSED = COMMON_REFUSED + [("best_of", 3), ("echo", True), ("chat_template", "{{ x }}"),
+                                 ("add_special_tokens", True),
                                  ("chat_template_kwargs", {"add_generation_prompt": False}),
                                  ("documents", [{"text": "d"}])]
 

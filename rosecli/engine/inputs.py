@@ -41,8 +41,11 @@ class InputProcessor:
         self._max_prompt_chars: Optional[int] = None
 
     # --- text -> token ids ------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids with the special tokens the tokenizer adds to a plain prompt (Llama 3's
+        ``<|begin_of_text|>``; none for GPT-2 or SmolLM2), as vLLM, transformers and llama.cpp tokenize a
+        prompt; ``add_special_tokens=False``: the text's own tokens only."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
 
     @property
     def has_chat_template(self) -> bool:
@@ -127,7 +130,7 @@ class InputProcessor:
                                    "logit_bias")
 
     def process(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> list[int]:
-        """The checked token ids of ``prompt`` (text is tokenized without special tokens), and
+        """The checked token ids of ``prompt`` (text is tokenized with the tokenizer's special tokens: `encode`), and
         the parts of ``params`` that depend on the vocabulary (``check_params``).
 
         ``params`` checked its own ranges when built (`SamplingParams`); a stop token id outside

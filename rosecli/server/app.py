@@ -453,8 +453,8 @@ class _Server:
                                 f"your prompt has {chars} characters, more than that many tokens can hold: "
                                 "shorten it.", param, p.CONTEXT_LENGTH_EXCEEDED)
 
-    def _encode_completion(self, prompt: Union[str, list[int]]) -> list[int]:
-        return self.inputs.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def _encode_completion(self, prompt: Union[str, list[int]], add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.encode(prompt, add_special_tokens) if isinstance(prompt, str) else list(prompt)
 
     def _encode_chat(self, messages: list[dict], tools: Optional[list] = None, template_kwargs: Optional[dict] = None,
                      continue_final_message: bool = False, add_generation_prompt: bool = True) -> list[int]:
@@ -610,8 +610,9 @@ class _Server:
             default_max = None  # the rest of the context, as vLLM
         else:
             prompts = p.completion_prompts(req)
-            batch = ([await self.tokenize(self._encode_completion, prompts[0])] if len(prompts) == 1 else
-                     list(await asyncio.gather(*(self.tokenize(self._encode_completion, x) for x in prompts))))
+            encode = functools.partial(self._encode_completion, add_special_tokens=req.add_special_tokens)
+            batch = ([await self.tokenize(encode, prompts[0])] if len(prompts) == 1 else
+                     list(await asyncio.gather(*(self.tokenize(encode, x) for x in prompts))))
             max_tokens = req.max_tokens
             default_max = 16  # OpenAI's default for completions
         cut = [keep is not None and len(ids) > keep for ids in batch]
@@ -657,11 +658,8 @@ class _Server:
         if req.messages is not None:
             ids = await self.tokenize(self._encode_chat, p.template_messages(req.messages), req.tools,
                                       req.chat_template_kwargs, req.continue_final_message, req.add_generation_prompt)
-        elif req.add_special_tokens:
-            ids = await self.tokenize(functools.partial(self.inputs.tokenizer.encode, add_special_tokens=True),
-                                      req.prompt)
-        else:
-            ids = await self.tokenize(self.inputs.encode, req.prompt)
+        else:  # (as /v1/completions: the tokenizer's special tokens unless add_special_tokens is false)
+            ids = await self.tokenize(self._encode_completion, req.prompt, req.add_special_tokens is not False)
         ids = list(ids)
         strs = self.inputs.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}

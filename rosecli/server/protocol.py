@@ -161,8 +161,7 @@ REFUSED: dict[str, tuple] = {
     "guided_decoding_backend": (_is("xgrammar", "auto"), "this server's structured output runs on xgrammar"),
     "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
     "logits_processors": (_unset, "this server runs no custom logits processors"),
-    "add_special_tokens": (_is(False), "this server tokenizes prompts without special tokens (chat: the "
-                                       "template adds its own)"),
+    "add_special_tokens": (_is(False), "the chat template adds the model's special tokens itself"),
     "chat_template": (_unset, "this server uses the model's own chat template"),
     "chat_template_kwargs": (_is({}), "there is no chat template on /v1/completions"),
     "documents": (_unset, "this server passes nothing else to the chat template"),
@@ -258,6 +257,8 @@ class SamplingRequest(_Body):
 
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    # vLLM's: a text prompt gets the special tokens the tokenizer adds to one (Llama 3's BOS), unless false
+    add_special_tokens: bool = True
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
     best_of: Optional[int] = None

@@ -142,7 +142,7 @@ def test_min_tokens_keeps_a_stop_string_from_ending_the_request(http):
 COMMON_REFUSED = [
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
-    ("web_search_options", {}), ("reasoning_effort", "low"), ("verbosity", "low"), ("moderation", {}),
+    ("web_search_options", {}), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
     ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]),
@@ -319,6 +319,27 @@ def test_chat_template_kwargs_reach_the_template(live, http, monkeypatch):
         assert r.status_code == 200, r.text
         usage[json.dumps(kwargs)] = r.json()["usage"]["prompt_tokens"]
     assert usage["null"] == usage['{"enable_thinking": false}'] < usage['{"enable_thinking": true}']
+
+
+def test_reasoning_effort_reaches_the_template(live, http, monkeypatch):
+    """OpenAI's ``reasoning_effort`` is the template's variable of that name (gpt-oss's template reads it), as vLLM
+    passes it; a value OpenAI does not define, or one that disagrees with chat_template_kwargs', is a 400."""
+    tok = live.engine.inputs.tokenizer
+    monkeypatch.setattr(tok, "chat_template", "{% if reasoning_effort %}Reasoning: {{ reasoning_effort }}. {% endif %}"
+                                              "{{ messages[0]['content'] }}")
+
+    def prompt(**kw) -> str:
+        r = post(http, "chat", False, return_token_ids=True, **kw)
+        assert r.status_code == 200, r.text
+        return tok.decode(r.json()["prompt_token_ids"])
+
+    assert not prompt().startswith("Reasoning")
+    assert prompt(reasoning_effort="medium").startswith("Reasoning: medium. ")
+    both = prompt(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "low"})
+    assert both.startswith("Reasoning: low. ")
+    _refused(post(http, "chat", False, reasoning_effort="extreme"), "reasoning_effort")
+    _refused(post(http, "chat", False, reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}),
+             "reasoning_effort")
 
 
 def _refused(r: httpx.Response, field: str) -> dict:

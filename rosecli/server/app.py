@@ -604,7 +604,7 @@ class _Server:
         if chat:
             prompts = None
             batch = [await self.tokenize(self._encode_chat, req.template_messages(), req.tools if tools else None,
-                                         req.chat_template_kwargs, req.continue_final_message,
+                                         req.template_kwargs(), req.continue_final_message,
                                          req.add_generation_prompt)]
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             default_max = None  # the rest of the context, as vLLM

@@ -147,7 +147,6 @@ REFUSED: dict[str, tuple] = {
     "modalities": (_is(["text"]), "this server generates text only: [\"text\"] is the one value accepted"),
     "prediction": (_unset, "this server has no predicted outputs"),
     "web_search_options": (_unset, "this server has no web search"),
-    "reasoning_effort": (_unset, "this server passes nothing to a reasoning model's template"),
     "verbosity": (_unset, "this server passes nothing to a reasoning model's template"),
     "moderation": (_unset, "this server runs no moderation"),
     # vLLM's extensions
@@ -327,12 +326,15 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: variables for the template (enable_thinking ...)
+    # OpenAI's, for reasoning models: a variable of the template (gpt-oss's reads it), as vLLM passes it
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     add_generation_prompt: bool = True  # vLLM's: False with continue_final_message (a prefilled assistant answer)
     continue_final_message: bool = False
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         check_template_fields(self)
+        self.template_kwargs()
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.top_logprobs}",
                               "top_logprobs")
@@ -344,6 +346,18 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict]:
         return template_messages(self.messages)
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """The template's variables: ``chat_template_kwargs``, and ``reasoning_effort`` when given (the two may not
+        disagree)."""
+        kwargs = self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return kwargs
+        given = (kwargs or {}).get("reasoning_effort", self.reasoning_effort)
+        if given != self.reasoning_effort:
+            raise bad_request(f"reasoning_effort={self.reasoning_effort!r} and chat_template_kwargs.reasoning_effort="
+                              f"{given!r} disagree: give one", "reasoning_effort")
+        return {**(kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
 
 def check_template_fields(req) -> None:

@@ -258,6 +258,46 @@ def test_logit_bias_and_bad_ids():
         st.acquire(P(temperature=1.0, min_p=1.5))
 
 
+def test_allowed_token_ids_restrict_their_rows_only():
+    """vLLM's allowed_token_ids: a greedy row takes the best allowed token, a sampled row draws only among the allowed
+    (in proportion to their probabilities), a row without them in the same batch is unchanged, raw logprobs are the
+    model's; a slot given back and taken by a request without them samples the whole vocabulary again."""
+    torch.manual_seed(8)
+    logits = torch.randn(3, V) * 2
+    allowed = [3, 17, 40, 41]
+    st = _state(slots=4, logprobs_mode="raw")
+    g = st.acquire(P(allowed_token_ids=allowed))
+    sampled = st.acquire(P(temperature=1.0, allowed_token_ids=allowed, seed=5))
+    free = st.acquire(P(temperature=1.0, seed=6))
+    st.flush()
+    alone = _state(slots=1)
+    a = alone.acquire(P(temperature=1.0, seed=6))
+    alone.flush()
+    draws, free_draws, want_free = [], [], []
+    for step in range(400):
+        out = st.sample(logits.clone(), _slots(g, sampled, free), num_logprobs=2)
+        if step == 0:
+            assert out.token_ids[0].item() == allowed[int(logits[0, allowed].argmax())]
+            assert torch.allclose(out.top_logprobs[0], logits[0].log_softmax(-1).topk(2).values, atol=1e-5)
+        draws.append(out.token_ids[1].item())
+        free_draws.append(out.token_ids[2].item())
+        want_free.append(alone.sample(logits[2:].clone(), _slots(a)).token_ids.item())
+    assert set(draws) <= set(allowed) and free_draws == want_free
+    probs = torch.zeros(V)
+    probs[allowed] = logits[1, allowed].softmax(-1)
+    assert _tv(torch.tensor(draws), probs) < 0.1
+    st.release(g)
+    again = st.acquire(P())
+    st.flush()
+    x = torch.zeros(1, V)
+    x[0, 9] = 1.0
+    assert st.sample(x, _slots(again)).token_ids.item() == 9  # the slot's last user's mask is gone
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 48 is outside the vocabulary"):
+        st.acquire(P(allowed_token_ids=[1, 48]))
+    with pytest.raises(ValueError, match="at least one token id"):
+        st.acquire(P(allowed_token_ids=[]))
+
+
 def test_logprobs_raw_and_processed():
     torch.manual_seed(7)
     logits = torch.randn(3, V) * 2
@@ -346,7 +386,8 @@ def test_gpu_matches_cpu():
     logits = torch.randn(6, 2000) * 3
     params = [P(), P(temperature=0.8, top_k=50, top_p=0.95, seed=1), P(temperature=1.0, seed=2),
               P(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, seed=3),
-              P(temperature=1.2, min_tokens=4, logit_bias={5: 3.0}, seed=4), P(temperature=0.5, top_k=7, seed=5)]
+              P(temperature=1.2, min_tokens=4, logit_bias={5: 3.0}, seed=4), P(temperature=0.5, top_k=7, seed=5),
+              P(temperature=0.9, allowed_token_ids=[7, 70, 700, 1999], seed=6), P(allowed_token_ids=[11, 1500])]
     res = []
     for dev in ("cpu", "cuda"):
         st = SamplerState(8, 2000, dev, max_stop_ids=8)

@@ -144,7 +144,7 @@ COMMON_REFUSED = [
     ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("verbosity", "low"), ("moderation", {}),
     ("use_beam_search", True), ("length_penalty", 0.5), ("spaces_between_special_tokens", False),
-    ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("bad_words", ["x"]),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " *"), ("logits_processors", ["x"]),
 ]
 # tools are a chat feature (tests/test_server_structured.py has them, and structured output)
@@ -319,6 +319,24 @@ def test_chat_template_kwargs_reach_the_template(live, http, monkeypatch):
         assert r.status_code == 200, r.text
         usage[json.dumps(kwargs)] = r.json()["usage"]["prompt_tokens"]
     assert usage["null"] == usage['{"enable_thinking": false}'] < usage['{"enable_thinking": true}']
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
+def test_allowed_token_ids_keep_the_output_within_them(live, http, endpoint):
+    """vLLM's ``allowed_token_ids``: greedy and sampled choices generate only those ids (it had been refused); an id
+    outside the vocabulary or an empty list is a 400 naming the field."""
+    allowed = [200, 300, 301, 4000]
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 2}):
+        r = post(http, endpoint, False, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                 return_token_ids=True, **kw)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert len(choice["token_ids"]) == 6 and set(choice["token_ids"]) <= set(allowed), choice
+    vocab = live.engine.loaded.model.vocab_size
+    _refused(post(http, endpoint, False, allowed_token_ids=[1, vocab]), "allowed_token_ids")
+    _refused(post(http, endpoint, False, allowed_token_ids=[]), "allowed_token_ids")
+    eos = min(live.engine.scheduler.eos_token_ids)  # only a token min_tokens holds back: nothing could be generated
+    _refused(post(http, endpoint, False, allowed_token_ids=[eos], min_tokens=2), "allowed_token_ids")
 
 
 def test_reasoning_effort_reaches_the_template(live, http, monkeypatch):

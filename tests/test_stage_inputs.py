@@ -138,12 +138,15 @@ def test_an_engine_reading_its_inputs_in_the_step_says_what_the_copies_say(tiny_
     prompts = [list(range(5 + i, 40 + 3 * i)) for i in range(6)]
     params = [SamplingParams(max_new_tokens=24 + 4 * i, stop_on_eos=False,
                              **({"temperature": 0.8, "seed": i} if i % 2 else {})) for i in range(len(prompts))]
+    allowed = [7, 70, 700, 7000]  # a row limited to these (the sampler's graph with its bitmask)
+    params[2] = SamplingParams(max_new_tokens=20, stop_on_eos=False, temperature=0.9, seed=9, allowed_token_ids=allowed)
     outs = []
     for staged in ("1", "0"):
         monkeypatch.setenv("ROSE_STAGE_KERNEL", staged)
         engine = tiny_engine_factory(device="cuda", seed=3)
         assert engine.runner._stage_kernel == (staged == "1")  # (the start-up check passed)
         outs.append([o.token_ids for o in engine.generate(prompts, params)])
+        assert set(outs[-1][2]) <= set(allowed)
         greedy = [o.token_ids for o in engine.generate(prompts[:2], [SamplingParams(max_new_tokens=30,
                                                                                    stop_on_eos=False)] * 2)]
         outs[-1].append(greedy)

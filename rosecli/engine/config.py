@@ -222,14 +222,16 @@ class SamplingParams:
     presence_penalty and frequency_penalty -2..2, repetition_penalty 1e-6..100, min_tokens
     0..max_new_tokens, logit_bias at most 300 entries {token id: bias in -100..100}, seed
     0..2**64-1, at most 16 stop strings of 1..256 characters, at most 1024 stop token ids in
-    0..2**31-1. Token ids of logit_bias are checked against the vocabulary by the input processor.
+    0..2**31-1, allowed_token_ids (vLLM's) at least one id in 0..2**31-1. Token ids of logit_bias and
+    allowed_token_ids are checked against the vocabulary by the input processor.
     ``logprobs`` / ``prompt_logprobs`` (None: off; 0..20: the chosen token's logprob and that many
     most likely tokens, for each output / prompt position; `rosecli.engine.logprobs` says which).
 
     Semantics are vLLM's: penalties apply to greedy rows too; presence and frequency penalties
     count output tokens, repetition_penalty prompt and output tokens; until ``min_tokens`` tokens
     were generated, EOS and ``stop_token_ids`` cannot be sampled and stop strings do not end the
-    request; ``logit_bias`` is added to the logits before the penalties; a stop string that ends the output is
+    request; ``logit_bias`` is added to the logits before the penalties; with ``allowed_token_ids`` every other token
+    is at -inf before anything else (greedy and sampled rows; logprobs are the model's own); a stop string that ends the output is
     left out of its text unless ``include_stop_str_in_output``; special tokens (end of turn, tool-call markers) are
     left out of the text unless ``skip_special_tokens`` is False.
     """
@@ -250,6 +252,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: Optional[list[int]] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     # structured output: a rosecli.engine.structured.GrammarSpec the output must match (None: free)
@@ -308,6 +311,12 @@ class SamplingParams:
                    f"logit_bias of token {t} must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, "
                    f"got {bias!r}")
         self.logit_bias = {t: float(bias) for t, bias in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, (list, tuple)) and len(self.allowed_token_ids) > 0,
+                   f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, MAX_INT32)
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)

@@ -120,14 +120,14 @@ class InputProcessor:
                               f"[0, {self.vocab_size})", param)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What of ``params`` depends on the vocabulary: every token id of ``logit_bias`` in it
-        (a bias on a token the model cannot produce is a mistake, as OpenAI's API answers)."""
-        bias = getattr(params, "logit_bias", None)
-        if bias and self.vocab_size is not None:
-            bad = next((t for t in bias if not 0 <= t < self.vocab_size), None)
+        """What of ``params`` depends on the vocabulary: every token id of ``logit_bias`` and ``allowed_token_ids``
+        in it (a token the model cannot produce is a mistake, as OpenAI's API answers)."""
+        if self.vocab_size is None:
+            return
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(params, name, None) or () if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                   "logit_bias")
+                raise RequestError(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})", name)
 
     def process(self, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> list[int]:
         """The checked token ids of ``prompt`` (text is tokenized with the tokenizer's special tokens: `encode`), and

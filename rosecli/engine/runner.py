@@ -136,7 +136,8 @@ def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
     """The model's argmax is the answer: greedy, nothing that changes the logits (``min_tokens``
     changes them only when there are stop ids to hold back: not with ``ignore_eos`` and no
     ``stop_token_ids``, which is how benchmarks fix output lengths)."""
-    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not (p.min_tokens and holds_back)
+    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not p.allowed_token_ids
+            and not (p.min_tokens and holds_back)
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
@@ -1077,9 +1078,16 @@ class ModelRunner:
         """Check what the sampler will be given when the request is added, so that a bad value
         fails that request alone, not a batched step (its slot is taken at its first token)."""
         vocab = self.sampler.vocab_size
-        bad = [t for t in seq.params.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        p = seq.params
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = [t for t in getattr(p, name, None) or () if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})", name)
+        if p.allowed_token_ids and p.min_tokens:  # (else its first tokens would have no token left to take)
+            held = set(p.stop_token_ids) | (set(self.eos_token_ids) if p.stop_on_eos else set())
+            if held.issuperset(p.allowed_token_ids):
+                raise RequestError("allowed_token_ids holds only end-of-sequence and stop tokens, which min_tokens "
+                                   "holds back: no token could be generated", "allowed_token_ids")
         spec = getattr(seq.params, "structured", None)
         if spec is not None:
             if self.structured is None:

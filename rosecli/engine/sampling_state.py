@@ -7,8 +7,8 @@ staging area by `flush` (one non-blocking copy, nothing allocated per step). `sa
 maps each logits row to its slot with a device tensor, so the batch order can change every step.
 After sampling, the counts and each slot's step counter are updated on the device: nothing syncs.
 
-Order of operations (vLLM v1's `Sampler`): min_tokens (EOS and stop ids to -inf while fewer than
-min_tokens tokens were generated) and logit_bias; repetition, frequency, presence penalties (also
+Order of operations (vLLM v1's `Sampler`): allowed_token_ids (every other token to -inf), min_tokens
+(EOS and stop ids to -inf while fewer than min_tokens tokens were generated) and logit_bias; repetition, frequency, presence penalties (also
 for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
 top-k, top-p (each over what the previous kept, renormalised), then softmax sampling.
 
@@ -78,6 +78,11 @@ class SamplerState:
         self.h_bias = np.zeros((S, MAX_LOGIT_BIAS), np.float32)
         self.h_stop = np.zeros((S, max_stop_ids), np.int64)
         self.active = np.zeros(S, bool)
+        self.h_allowed = np.zeros(S, bool)  # the slot samples only among its allowed_token_ids
+        # [S, ceil(V / 32)] int32 bitmask of each slot's allowed tokens (all bits set: no restriction), made when a
+        # slot first has allowed_token_ids; rows to write at the next flush: {slot: sorted ids, or None for all}
+        self.d_allowed: Optional[torch.Tensor] = None
+        self._allowed_rows: dict[int, Optional[list[int]]] = {}
         self._free = list(range(S - 1, -1, -1))
         self._acquired = 0  # acquisitions so far: unseeded slots' noise keys
         # two pinned staging areas, alternating between flushes (a copy in flight is never rewritten)
@@ -113,7 +118,7 @@ class SamplerState:
                 stop_ids: Iterable[int] = ()) -> int:
         """Give a request a slot and stage its parameters (read from ``params`` by name, missing ones
         neutral: temperature, top_k, top_p, min_p, presence/frequency/repetition_penalty,
-        min_tokens, logit_bias {token id: bias}, seed). ``stop_ids``: the ids min_tokens holds back
+        min_tokens, logit_bias {token id: bias}, allowed_token_ids, seed). ``stop_ids``: the ids min_tokens holds back
         (EOS and stop_token_ids). ``output_ids``: tokens already generated (a preempted request
         resuming: its seeded stream and counts go on where they were). Takes effect at `flush`."""
         if not self._free:
@@ -137,6 +142,15 @@ class SamplerState:
         bad = [t for t in bias_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        allowed = g("allowed_token_ids", None)
+        if allowed is not None:
+            allowed = sorted(set(int(t) for t in allowed))
+            if not allowed:
+                raise ValueError("allowed_token_ids must hold at least one token id")
+            if allowed[0] < 0 or allowed[-1] >= self.vocab_size:
+                bad = allowed[0] if allowed[0] < 0 else allowed[-1]
+                raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
         min_tokens = int(g("min_tokens", 0) or 0)
         stop_ids = sorted(set(int(t) for t in stop_ids)) if min_tokens else []
         if len(stop_ids) > self.max_stop_ids:
@@ -161,6 +175,9 @@ class SamplerState:
         if stop_ids:
             self.h_stop[slot, :len(stop_ids)] = stop_ids
         self._dirty_sparse |= bool(bias_ids or stop_ids)
+        self.h_allowed[slot] = allowed is not None
+        if allowed is not None or self.d_allowed is not None:  # (a slot's row set again: the last user's may be left)
+            self._allowed_rows[slot] = allowed
         penalties = rep != 1.0 or f[4] != 0.0 or f[5] != 0.0
         self._pending.append((slot, list(prompt_ids) if penalties else [], list(output_ids), penalties))
         self.active[slot] = True
@@ -173,6 +190,8 @@ class SamplerState:
         if not self.active[slot]:
             raise ValueError(f"sampling slot {slot} is not in use")
         self.active[slot] = False
+        self.h_allowed[slot] = False
+        self._allowed_rows.pop(slot, None)
         self.h_f[:, slot] = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
         self.h_i[:4, slot] = 0
         self._free.append(slot)
@@ -189,6 +208,7 @@ class SamplerState:
             bool((a & ((rep != 1) | (pres != 0) | (freq != 0))).any()),  # penalties
             int(n_bias[a].max(initial=0)),  # logit_bias width
             int(n_stop[a & (min_tokens > 0)].max(initial=0)),  # min_tokens stop-id width
+            bool((a & self.h_allowed).any()),  # allowed_token_ids
         )
 
     def variant(self) -> tuple:
@@ -218,6 +238,8 @@ class SamplerState:
                                     ("stop", self.h_stop, self.d_stop)):
                 st[name].numpy()[:] = host
                 dev.copy_(st[name], non_blocking=nb)
+        if self._allowed_rows:
+            self._write_allowed()
         if self._pending:
             n = len(self._pending)
             slots = st["slots"].numpy()
@@ -235,6 +257,24 @@ class SamplerState:
             self._events[flip] = ev
         self._pending = []
         self._dirty = self._dirty_sparse = False
+
+    def _write_allowed(self) -> None:
+        """The bitmask rows of the slots acquired since the last flush (rare: a pageable copy each, synchronous)."""
+        words = -(-self.vocab_size // 32)
+        if self.d_allowed is None:
+            if all(ids is None for ids in self._allowed_rows.values()):
+                self._allowed_rows.clear()
+                return
+            self.d_allowed = torch.full((self.num_slots, words), -1, dtype=torch.int32, device=self.device)
+            cols = torch.arange(self.vocab_size, device=self.device)
+            self._allowed_cols = (cols // 32, (cols % 32).to(torch.int32))  # (`structured.apply_bitmask`'s word, bit)
+        for slot, ids in self._allowed_rows.items():
+            row = np.full(words, 0xFFFFFFFF if ids is None else 0, np.uint32)
+            if ids is not None:
+                t = np.asarray(ids, np.int64)
+                np.bitwise_or.at(row, t >> 5, (np.uint32(1) << (t & 31).astype(np.uint32)))
+            self.d_allowed[slot].copy_(torch.from_numpy(row.view(np.int32)))
+        self._allowed_rows.clear()
 
     def _init_counts(self, st: dict, pen: list, nb: bool) -> None:
         V = self.vocab_size
@@ -267,12 +307,16 @@ class SamplerState:
         """logits [B, V] float32 (modified in place), slots [B] int64 on the device: row i belongs to
         slot ``slots[i]`` (distinct slots). Returns the sampled ids and, with ``num_logprobs`` > 0, the
         logprobs; then counts each sampled token for its slot's penalties, min_tokens and noise step."""
-        pen, n_bias, n_stop = self.variant()
+        pen, n_bias, n_stop, allowed = self.variant()
         B, V = logits.shape
         if V != self.vocab_size:
             raise ValueError(f"logits have {V} columns, the sampler was built for a vocabulary of {self.vocab_size}")
         raw = logits.log_softmax(dim=-1) if num_logprobs and self.logprobs_mode == "raw" else None
         x = logits
+        if allowed:  # (rows of slots without allowed_token_ids have every bit set)
+            from rosecli.engine.structured import apply_bitmask
+
+            apply_bitmask(x, self.d_allowed.index_select(0, slots), *self._allowed_cols)
         if n_bias or n_stop:
             self._apply_sparse(x, slots, n_bias, n_stop)
         run = K.sample if self.use_triton else K.sample_ref

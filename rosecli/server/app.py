@@ -567,7 +567,7 @@ class _Server:
         """A request the engine ended with an error, as the client hears of it: a request error's
         message is written for the user; anything else is only named by its code."""
         if isinstance(e, RequestError):
-            return p.bad_request(str(e), "prompt")
+            return p.bad_request(str(e), getattr(e, "param", None) or "prompt")
         log.warning("a request ended with an engine error: %s: %s", type(e).__name__, e)
         return p.engine_dead() if isinstance(e, EngineDeadError) else p.internal_error()
 

@@ -155,7 +155,6 @@ REFUSED: dict[str, tuple] = {
     "use_beam_search": (_is(False), "this server has no beam search"),
     "length_penalty": (_is(1, 1.0), "it applies to beam search, which this server does not have"),
     "spaces_between_special_tokens": (_is(True), "this server decodes special tokens as the tokenizer does"),
-    "allowed_token_ids": (_unset, "use logit_bias"),
     "bad_words": (_is([]), "use logit_bias"),
     "guided_decoding_backend": (_is("xgrammar", "auto"), "this server's structured output runs on xgrammar"),
     "guided_whitespace_pattern": (_unset, "this server's JSON output has no free whitespace"),
@@ -214,6 +213,7 @@ class SamplingRequest(_Body):
     repetition_penalty: Optional[float] = None
     min_p: Optional[float] = None
     min_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None  # sample only among these ids
     user: Optional[str] = None
     # structured output (checked by `grammar_spec`, which names the field)
     response_format: Optional[dict[str, Any]] = None
@@ -516,13 +516,14 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, max_model_len: int
                                 stop_token_ids=stop_token_ids, min_tokens=min_tokens,
                                 include_stop_str_in_output=req.include_stop_str_in_output,
                                 skip_special_tokens=req.skip_special_tokens,
-                                logit_bias=logit_bias(req.logit_bias), structured=structured, **extra)
+                                logit_bias=logit_bias(req.logit_bias), allowed_token_ids=req.allowed_token_ids,
+                                structured=structured, **extra)
     except ConfigError as e:  # the engine's own checks: their messages begin with the field's name
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), {"max_new_tokens": max_param, "stop_on_eos": "ignore_eos"}.get(
             name, name if name in SamplingRequest.model_fields else None)) from None
     try:
-        inputs.check_params(params)  # logit_bias within the vocabulary
+        inputs.check_params(params)  # logit_bias and allowed_token_ids within the vocabulary
     except RequestError as e:
         raise bad_request(str(e), e.param) from None
     return params

@@ -8,8 +8,8 @@ maps each logits row to its slot with a device tensor, so the batch order can ch
 After sampling, the counts and each slot's step counter are updated on the device: nothing syncs.
 
 Order of operations (vLLM v1's `Sampler`): allowed_token_ids (every other token to -inf), min_tokens
-(EOS and stop ids to -inf while fewer than min_tokens tokens were generated) and logit_bias; repetition, frequency, presence penalties (also
-for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
+(EOS and stop ids to -inf while fewer than min_tokens tokens were generated) and logit_bias;
+repetition, frequency, presence penalties (also for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
 top-k, top-p (each over what the previous kept, renormalised), then softmax sampling.
 
 No vocabulary sort on the GPU: `rosecli.kernels.sampling.sample` (four Triton launches) applies the

@@ -119,10 +119,10 @@ def test_generate_longer_than_the_pool_finishes_with_length(cache_dir):
 def _poison_tokenizer(monkeypatch, engine):
     encode = engine.inputs.encode
 
-    def failing(prompt):
+    def failing(prompt, *args):
         if prompt.startswith("poison"):
             raise UnicodeError("the tokenizer choked")
-        return encode(prompt)
+        return encode(prompt, *args)
 
     monkeypatch.setattr(engine.inputs, "encode", failing)
 

@@ -176,7 +176,7 @@ def test_bodies_that_are_not_requests_are_400(live, http):
 
 
 def test_unexpected_exceptions_are_a_generic_500_logged_once(live, http, caplog, monkeypatch):
-    def broken(prompt):
+    def broken(prompt, *args):
         raise RuntimeError("secret internal detail /home/user/model.bin")
 
     monkeypatch.setattr(live.engine.inputs, "encode", broken)
@@ -248,7 +248,7 @@ def test_prompt_too_long_in_characters_is_refused_without_tokenizing(live, http,
     server = live.app.state.rose
     calls = []
     real = live.engine.inputs.encode
-    monkeypatch.setattr(live.engine.inputs, "encode", lambda text: calls.append(len(text)) or real(text))
+    monkeypatch.setattr(live.engine.inputs, "encode", lambda text, *a: calls.append(len(text)) or real(text, *a))
     real_chat = live.engine.tokenizer.apply_chat_template
     monkeypatch.setattr(live.engine.tokenizer, "apply_chat_template",
                         lambda messages, **kw: calls.append("chat") or real_chat(messages, **kw))
@@ -277,10 +277,10 @@ def test_one_slow_prompt_does_not_hold_the_others(live, http, monkeypatch):
     real = live.engine.inputs.encode
     release = threading.Event()
 
-    def encode(text):
+    def encode(text, *args):
         if text.startswith("SLOW"):
             release.wait(10)
-        return real(text)
+        return real(text, *args)
 
     monkeypatch.setattr(live.engine.inputs, "encode", encode)
     with ThreadPoolExecutor(2) as pool:

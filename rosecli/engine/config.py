@@ -232,8 +232,8 @@ class SamplingParams:
     were generated, EOS and ``stop_token_ids`` cannot be sampled and stop strings do not end the
     request; ``logit_bias`` is added to the logits before the penalties; with ``allowed_token_ids`` every other
     token is at -inf before anything else (greedy and sampled rows; logprobs are the model's own); a stop string
-    that ends the output is left out of its text unless ``include_stop_str_in_output``; special tokens (end of turn, tool-call markers) are
-    left out of the text unless ``skip_special_tokens`` is False.
+    that ends the output is left out of its text unless ``include_stop_str_in_output``; special tokens (end of
+    turn, tool-call markers) are left out of the text unless ``skip_special_tokens`` is False.
     """
 
     max_new_tokens: int = 128

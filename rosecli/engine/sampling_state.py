@@ -9,8 +9,9 @@ After sampling, the counts and each slot's step counter are updated on the devic
 
 Order of operations (vLLM v1's `Sampler`): allowed_token_ids (every other token to -inf), min_tokens
 (EOS and stop ids to -inf while fewer than min_tokens tokens were generated) and logit_bias;
-repetition, frequency, presence penalties (also for greedy rows); greedy rows take the argmax of those logits. Sampled rows: temperature, min_p,
-top-k, top-p (each over what the previous kept, renormalised), then softmax sampling.
+repetition, frequency, presence penalties (also for greedy rows); greedy rows take the argmax of
+those logits. Sampled rows: temperature, min_p, top-k, top-p (each over what the previous kept,
+renormalised), then softmax sampling.
 
 No vocabulary sort on the GPU: `rosecli.kernels.sampling.sample` (four Triton launches) applies the
 penalties, takes the greedy argmax, finds each row's filters as one exact logit threshold ``tau`` by
@@ -118,8 +119,8 @@ class SamplerState:
                 stop_ids: Iterable[int] = ()) -> int:
         """Give a request a slot and stage its parameters (read from ``params`` by name, missing ones
         neutral: temperature, top_k, top_p, min_p, presence/frequency/repetition_penalty,
-        min_tokens, logit_bias {token id: bias}, allowed_token_ids, seed). ``stop_ids``: the ids min_tokens holds back
-        (EOS and stop_token_ids). ``output_ids``: tokens already generated (a preempted request
+        min_tokens, logit_bias {token id: bias}, allowed_token_ids, seed). ``stop_ids``: the ids min_tokens
+        holds back (EOS and stop_token_ids). ``output_ids``: tokens already generated (a preempted request
         resuming: its seeded stream and counts go on where they were). Takes effect at `flush`."""
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} sampling slots are in use")

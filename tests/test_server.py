@@ -259,6 +259,8 @@ def test_a_text_prompt_gets_the_special_tokens_its_tokenizer_adds_as_vllm_gives_
         assert got["choices"][0]["prompt_token_ids"] == [0] + plain and got["usage"]["prompt_tokens"] == len(plain) + 1
         without = http.post("/v1/completions", json={**body, "add_special_tokens": False}).json()
         assert without["choices"][0]["prompt_token_ids"] == plain
+        null = http.post("/v1/completions", json={**body, "add_special_tokens": None}).json()  # (null: the default)
+        assert null["choices"][0]["prompt_token_ids"] == [0] + plain
         ids = http.post("/v1/completions", json={**body, "prompt": plain}).json()  # ids: as sent
         assert ids["choices"][0]["prompt_token_ids"] == plain
         assert http.post("/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"] == [0] + plain

@@ -610,7 +610,7 @@ class _Server:
             default_max = None  # the rest of the context, as vLLM
         else:
             prompts = p.completion_prompts(req)
-            encode = functools.partial(self._encode_completion, add_special_tokens=req.add_special_tokens)
+            encode = functools.partial(self._encode_completion, add_special_tokens=req.add_special_tokens is not False)
             batch = ([await self.tokenize(encode, prompts[0])] if len(prompts) == 1 else
                      list(await asyncio.gather(*(self.tokenize(encode, x) for x in prompts))))
             max_tokens = req.max_tokens

@@ -257,7 +257,7 @@ class SamplingRequest(_Body):
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     # vLLM's: a text prompt gets the special tokens the tokenizer adds to one (Llama 3's BOS), unless false
-    add_special_tokens: bool = True
+    add_special_tokens: Optional[bool] = True  # (null: the default)
     echo: Optional[bool] = False
     logprobs: Optional[int] = None
     best_of: Optional[int] = None

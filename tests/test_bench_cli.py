@@ -35,8 +35,21 @@ def test_stream_and_sched_save_results_and_compare(cache_dir, tmp_path):
                "--repeat-runs", "2", "--save-result", str(s))
     assert r.exit_code == 0, r.output
     assert "=== online summary ===" in r.output and "Throughput(completion,decode) p50/mean:" in r.output
+    assert "Sampling: greedy\n" in r.output
     r = runner.invoke(app, ["bench", "compare", str(a), str(s)])
     assert r.exit_code != 0 and "different benchmarks" in r.output
+
+
+def test_the_header_says_how_tokens_are_sampled_and_what_dummy_weights_do_to_top_p(cache_dir):
+    r = _bench("sched", cache_dir, "--num-requests", "2", "--max-new-tokens", "3", "--repeat-runs", "1",
+               "--temperature", "0.8", "--top-p", "0.95")
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("Sampling: "))
+    assert line.startswith("Sampling: temperature 0.8, top-p 0.95 (dummy weights: near-uniform logits")
+    r = _bench("sched", cache_dir, "--num-requests", "2", "--max-new-tokens", "3", "--repeat-runs", "1",
+               "--temperature", "0.8", "--top-k", "20")
+    assert r.exit_code == 0, r.output
+    assert "Sampling: temperature 0.8, top-k 20\n" in r.output  # (no nucleus: no search over the whole row)
 
 
 def test_poisson_arrivals_and_random_lengths(cache_dir):

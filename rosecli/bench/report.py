@@ -83,6 +83,26 @@ _STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "
                   "gemm_warmup_s": "GEMM warm-up", "prefill_graph_capture_s": "prefill graph capture"}
 
 
+def sampling_line(params, dummy_weights: bool) -> str:
+    """How the benchmark's requests pick tokens: ``greedy``, or the sampling parameters that are set. With dummy
+    weights and top-p, a note: random weights give near-uniform logits, so top-p keeps most of the vocabulary and every
+    row takes the sampler's slowest path (a whole-row search); a trained model's nucleus is tens to hundreds of tokens,
+    and its sampled steps are faster than these."""
+    if params.temperature == 0 or params.top_k == 1:
+        return "greedy"
+    parts = [f"temperature {params.temperature:g}"]
+    for name, label, off in (("top_p", "top-p", 1.0), ("top_k", "top-k", 0), ("min_p", "min-p", 0.0),
+                             ("seed", "seed", None)):
+        value = getattr(params, name)
+        if value is not None and value != off:
+            parts.append(f"{label} {value:g}")
+    line = ", ".join(parts)
+    if dummy_weights and params.top_p < 1:
+        line += (" (dummy weights: near-uniform logits keep most of the vocabulary in top-p, the sampler's slowest "
+                 "path; a trained model samples faster)")
+    return line
+
+
 def startup_line(startup: dict) -> str:
     """``Startup (not in any run): model load 1.23 s, kernel compile 4.56 s, graph capture 0.78 s``."""
     parts = [f"{_STARTUP_NAMES.get(k, k.removesuffix('_s').replace('_', ' '))} {v:.2f} s"

@@ -132,11 +132,14 @@ def _print_roofline_summary(console: Console, summary: dict, probe) -> None:
                       markup=False, soft_wrap=True)
 
 
-def _header(engine, spec, config) -> dict:
+def _header(engine, spec, config, params) -> dict:
+    from rosecli.bench.report import sampling_line
+
     return {"Model": engine.model_name, "Device": engine.device.type, "Dtype": str(engine.dtype).removeprefix("torch."),
             "Paged attention": engine.runner.use_triton, "CUDA Graph": bool(engine.runner.graphs),
             "NVTX": config.nvtx, "Prefix cache": config.enable_prefix_cache, "Requests": spec.num_requests,
-            "Max new tokens": spec.max_new_tokens if spec.output_len is None else f"~{spec.output_len}"}
+            "Max new tokens": spec.max_new_tokens if spec.output_len is None else f"~{spec.output_len}",
+            "Sampling": sampling_line(params, config.load_format == "dummy")}
 
 
 def report_failures(console: Console, failures: list, submitted: int, runs: str = "measured runs") -> None:
@@ -181,7 +184,7 @@ def stream(
     engine = _start(config, err)
     try:
         probe = _roofline(engine, err)
-        header = _header(engine, spec, config)
+        header = _header(engine, spec, config, params)
         header.update({"Pretok": spec.pretok, "Tokenize workers": config.tokenize_workers,
                        "Stream interval": config.stream_interval})
         if spec.request_rate is not None:
@@ -239,7 +242,7 @@ def sched(
     try:
         probe = _roofline(engine, err)
         console.print("=== scheduler benchmark ===", highlight=False)
-        for line in report.header_lines({**_header(engine, spec, config), "Mode": mode}):
+        for line in report.header_lines({**_header(engine, spec, config, params), "Mode": mode}):
             console.print(line, highlight=False)
         console.print(report.startup_line(engine.startup_times), highlight=False)
         with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:

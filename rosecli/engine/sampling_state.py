@@ -37,6 +37,7 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from rosecli.engine.structured import apply_bitmask
 from rosecli.kernels import sampling as K
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -315,8 +316,6 @@ class SamplerState:
         raw = logits.log_softmax(dim=-1) if num_logprobs and self.logprobs_mode == "raw" else None
         x = logits
         if allowed:  # (rows of slots without allowed_token_ids have every bit set)
-            from rosecli.engine.structured import apply_bitmask
-
             apply_bitmask(x, self.d_allowed.index_select(0, slots), *self._allowed_cols)
         if n_bias or n_stop:
             self._apply_sparse(x, slots, n_bias, n_stop)

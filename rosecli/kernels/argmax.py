@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from rosecli.kernels.pdl import pdl_begin, use_pdl
+from rosecli.kernels.stage_inputs import store_for_host
 
 MIN_CHUNK, MAX_CHUNK = 512, 4096  # columns per stage-1 program
 TARGET_PROGRAMS = 1024  # stage-1 programs worth having before chunks grow (several per SM of an H100)
@@ -87,7 +88,7 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, copy_ptr, host0_ptr, host1_p
     if COPY:  # (a second home for the ids: the decode step's token pool, `logits_argmax`'s ``copy_to``)
         tl.store(copy_ptr + row, ids)
     if HOST:  # (and a third: pinned host memory, the buffer of the step's parity, `logits_argmax`'s ``to_host``)
-        tl.store(tl.where(tl.load(seq_ptr) % 2 == 1, host1_ptr, host0_ptr) + row, ids)
+        store_for_host(host0_ptr, host1_ptr, seq_ptr, row, ids)
 
 
 def chunk_for(rows: int, n_cols: int) -> int:

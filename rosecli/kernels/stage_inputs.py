@@ -110,13 +110,20 @@ def stage_inputs(host: tuple[torch.Tensor, torch.Tensor], dev: torch.Tensor, sta
     _stage_kernel[(max(1, grid),)](h0, h1, d, start // 4, n_fields, tables // 4, pitch, CHUNK=CHUNK, num_warps=4)
 
 
+@triton.jit
+def store_for_host(host0_ptr, host1_ptr, seq_ptr, rows, ids, mask=None):
+    """``ids`` into rows ``rows`` of the pinned host buffer of the staged step's parity (``seq_ptr``: the device
+    area's header): the way a decode step's ids go back to the host (the argmax's, `publish_ids`')."""
+    tl.store(tl.where(tl.load(seq_ptr) % 2 == 1, host1_ptr, host0_ptr) + rows, ids, mask=mask)
+
+
 @triton.jit(do_not_specialize=["n"])
 def _publish_kernel(ids_ptr, tokens_ptr, host0_ptr, host1_ptr, seq_ptr, n, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     keep = i < n
     ids = tl.load(ids_ptr + i, mask=keep)
     tl.store(tokens_ptr + i, ids, mask=keep)
-    tl.store(tl.where(tl.load(seq_ptr) % 2 == 1, host1_ptr, host0_ptr) + i, ids, mask=keep)
+    store_for_host(host0_ptr, host1_ptr, seq_ptr, i, ids, keep)
 
 
 def publish_ids(ids: torch.Tensor, tokens: torch.Tensor, host: tuple[torch.Tensor, torch.Tensor], seq: torch.Tensor,

@@ -383,11 +383,11 @@ def test_slots_are_reused_cleanly():
 @pytest.mark.gpu
 def test_gpu_matches_cpu():
     torch.manual_seed(10)
-    logits = torch.randn(6, 2000) * 3
     params = [P(), P(temperature=0.8, top_k=50, top_p=0.95, seed=1), P(temperature=1.0, seed=2),
               P(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3, seed=3),
               P(temperature=1.2, min_tokens=4, logit_bias={5: 3.0}, seed=4), P(temperature=0.5, top_k=7, seed=5),
               P(temperature=0.9, allowed_token_ids=[7, 70, 700, 1999], seed=6), P(allowed_token_ids=[11, 1500])]
+    logits = torch.randn(len(params), 2000) * 3
     res = []
     for dev in ("cpu", "cuda"):
         st = SamplerState(8, 2000, dev, max_stop_ids=8)

@@ -22,6 +22,7 @@ CONFIGS = {
                                               logit_bias={i * 7: 0.5 for i in range(300)}),
     "t0.8 only": dict(temperature=0.8),
     "t0.8 p0.95 (no top_k)": dict(temperature=0.8, top_p=0.95),
+    "t0.8 k50 (no top_p)": dict(temperature=0.8, top_k=50),
     "greedy + penalties": dict(repetition_penalty=1.2, presence_penalty=0.5),
 }
 FLAT = ("t0.8 p0.95 (no top_k), flat logits", dict(temperature=0.8, top_p=0.95))

@@ -159,18 +159,25 @@ def _kernel_case(rows, vocab, scale=3.0, penalties=False, slots=8, seed=0):
 
 
 def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
+    """`K.sample` against `K.sample_ref`: the ids and thresholds (``want_tau``), and the ids alone when the
+    kernel may take a race winner without its row's threshold. -> rows that searched their whole row."""
     B = x.shape[0]
     x, slots, f, i, steps = (t.to(DEV) for t in (x, slots, f, i, steps))
     counts = counts.to(DEV) if counts is not None else None
-    fallback = torch.zeros((), dtype=torch.int32, device=DEV)
-    xk, xr = x.clone(), x.clone()
-    ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.empty(B, capacity, device=DEV),
-                        torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback)
-    ref_ids, ref_tau = K.sample_ref(xr, slots, f, i, steps, counts)
-    assert torch.allclose(xk, xr, atol=1e-5)  # penalties written back
-    assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
-    assert ids.tolist() == ref_ids.tolist()
-    return fallback.item()
+    ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, steps, counts.clone() if counts is not None else None)
+    searched = []
+    for want_tau in (True, False):
+        fallback = torch.zeros((), dtype=torch.int32, device=DEV)
+        xk, xr = x.clone(), x.clone()
+        ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.empty(B, capacity, device=DEV),
+                            torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback, want_tau=want_tau)
+        K.sample_ref(xr, slots, f, i, steps, counts)
+        assert torch.allclose(xk, xr, atol=1e-5)  # penalties written back
+        if want_tau:
+            assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
+        assert ids.tolist() == ref_ids.tolist(), f"want_tau={want_tau}"
+        searched.append(fallback.item())
+    return searched[0]
 
 
 ROWS = [(0.0, 0, 1.0, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.05), (1.2, 0, 1.0, 0.1),
@@ -199,6 +206,37 @@ def test_sample_kernel_exact_beyond_its_candidates():
     # a nucleus of thousands of tokens: more candidates than one register tile (searched in the scratch)
     x, slots, f, i, steps, counts = _kernel_case([(1.0, 0, 0.2, 0.0), (1.0, 5000, 1.0, 0.0)], 30000, scale=0.05)
     _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=2 * K.BLOCK)
+
+
+def test_sample_kernel_takes_the_race_winner_top_p_keeps():
+    """Without the threshold (``want_tau=False``), a top-p row without top-k races over everything min_p
+    kept and keeps the winner when top-p keeps it (less than top_p of the mass above it), else races again
+    over the tokens above that winner: the reference's token at every step either way, and flat rows (a
+    nucleus far beyond the candidate scratch) skip the search. Rows with top-k search as before."""
+    rows = [(1.0, 0, 0.95, 0.0), (0.8, 0, 0.6, 0.0), (1.0, 0, 0.85, 0.0), (1.0, 2000, 1.0, 0.0),
+            (1.0, 0, 0.5, 0.0), (1.3, 0, 0.9, 0.05), (0.9, 200, 0.9, 0.0)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 4000, scale=0.05, seed=21)
+    g = torch.Generator().manual_seed(5)
+    x[4] = torch.randn(4000, generator=g) * 3  # a peaked row: its candidates hold the nucleus
+    x[5] = torch.randn(4000, generator=g) * 2
+    x, slots, f, i = (t.to(DEV) for t in (x, slots, f, i))
+    draws, searched, skipped, dropped = 12, 0, 0, 0
+    for step in range(draws):
+        st = (steps + 7919 * step).to(DEV)
+        fallback = torch.zeros((), dtype=torch.int32, device=DEV)
+        ids, tau = K.sample(x.clone(), slots, f, i, st, None, torch.empty(len(rows), 32, device=DEV),
+                            torch.empty(len(rows), 32, dtype=torch.int32, device=DEV), fallback, want_tau=False)
+        ref_ids, _ = K.sample_ref(x.clone(), slots, f, i, st, None)
+        assert ids.tolist() == ref_ids.tolist(), f"step {step}"
+        searched += fallback.item()
+        skipped += int(tau.isnan().sum())
+        assert not tau[[3, 6]].isnan().any()  # top-k rows: their thresholds, searched
+        # the winner of the race without the filters (what the kernel tries first) where the filter dropped it
+        t = f[0][slots]
+        free = K.race_ref(x.clone(), None, slots, 1 / t, torch.full_like(t, float("-inf")), i[4], st)
+        dropped += int((free[[0, 1, 2, 4, 5]] != ref_ids[[0, 1, 2, 4, 5]]).sum())
+    # rows 0-3 are flat (their cutoffs never fit 32 candidates): only the top-k rows 3 and 6 search
+    assert searched == 2 * draws and skipped == 5 * draws and dropped >= 6
 
 
 def test_sample_kernel_ties_take_the_first_token():

@@ -85,9 +85,8 @@ _STARTUP_NAMES = {"model_load_s": "model load", "compile_s": "kernel compile", "
 
 def sampling_line(params, dummy_weights: bool) -> str:
     """How the benchmark's requests pick tokens: ``greedy``, or the sampling parameters that are set. With dummy
-    weights and top-p, a note: random weights give near-uniform logits, so top-p keeps most of the vocabulary and every
-    row takes the sampler's slowest path (a whole-row search); a trained model's nucleus is tens to hundreds of tokens,
-    and its sampled steps are faster than these."""
+    weights and top-p, a note: random weights give near-uniform logits, so top-p keeps most of the vocabulary (a
+    trained model's nucleus is tens to hundreds of tokens), and what the sampler does for a row depends on it."""
     if params.temperature == 0 or params.top_k == 1:
         return "greedy"
     parts = [f"temperature {params.temperature:g}"]
@@ -98,8 +97,8 @@ def sampling_line(params, dummy_weights: bool) -> str:
             parts.append(f"{label} {value:g}")
     line = ", ".join(parts)
     if dummy_weights and params.top_p < 1:
-        line += (" (dummy weights: near-uniform logits keep most of the vocabulary in top-p, the sampler's slowest "
-                 "path; a trained model samples faster)")
+        line += (" (dummy weights: near-uniform logits keep most of the vocabulary in top-p; a trained model's "
+                 "nucleus is tens to hundreds of tokens)")
     return line
 
 

@@ -1,6 +1,6 @@
-"""Sampling kernels: four Triton launches do penalties, greedy argmax, the min_p / top-k / top-p
-threshold (exact, without sorting) and the exponential race with counter-based noise. A plain-torch
-reference (`sample_ref`, sorting) beside it gives the same result.
+"""Sampling kernels: four Triton launches (seven with winner rows, below) do penalties, greedy argmax,
+the min_p / top-k / top-p threshold (exact, without sorting) and the exponential race with
+counter-based noise. A plain-torch reference (`sample_ref`, sorting) beside it gives the same result.
 
 Noise is a hash of (the slot's key, its step, the token id): the same (request seed, step) gives the
 same noise whatever the batch, the row, the device or the candidate set raced over, so a seeded
@@ -25,6 +25,15 @@ the float's bit pattern over its candidates (registers) for the exact k-th value
 the race over them (more than 4096 candidates: over the scratch row). A row no cutoff fits (a flat
 distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
 over its whole row: slower, equally exact.
+
+When the thresholds themselves are not wanted (`sample`'s ``want_tau``: only processed logprobs need
+them), a top-p row without top-k skips its search: it races over everything min_p kept, and top-p keeps
+the winner when less than top_p of the mass lies above it; then the winner is the answer (the race over
+the kept tokens has the same noise per token, so the same winner). A dropped winner means every kept
+token lies above it: the row races again over the tokens above it. The first check and one more race and
+check are split over the row's chunks like the passes; a row still without a kept winner goes on in one
+program, then searches its threshold. A row samples outside its nucleus with probability about 1 -
+top_p, so most rows stop at the first check.
 """
 
 import torch
@@ -38,6 +47,7 @@ SPLIT_BLOCK = 2048  # tile of the passes split over chunks of a row
 PIVOT_BLOCK = 512  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
 PIVOTS = 8
 REFINE = 4  # narrowing passes when no first-pass cutoff fits
+TRIES = 6  # races over the tokens above a winner top-p dropped, before the threshold's search
 
 
 # --- noise (uint32 hash; the torch reference emulates uint32 in int64) -------------------------
@@ -423,7 +433,9 @@ def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p
     return found, cstar, n_c, lo, hi
 
 
-# Four launches; the row is split into `split` chunks of CH tokens for the passes over it.
+# Four launches (seven with winner rows); the row is split into `split` chunks of CH tokens for the
+# passes over it. A *winner row* (``WINNER``: the thresholds are not wanted) samples with top-p and no
+# top-k: it races over everything min_p kept and keeps the winner when top-p keeps it.
 @triton.jit
 def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr, pidx_ptr, pmin_ptr,
                   PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr):
@@ -466,9 +478,20 @@ def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr,
 
 
 @triton.jit
+def _winner_row(temp, top_k, top_p, WINNER: tl.constexpr):
+    """A row that takes its race's winner when its filter, top-p without top-k, keeps it (top-k keeps
+    its winner only with the mass of its k tokens, often small: its candidates are few, searched fast)."""
+    if WINNER:
+        return (temp > 0) & (top_k <= 0) & (top_p < 1.0)
+    else:
+        return temp < 0  # (never)
+
+
+@triton.jit
 def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, piv_ptr, pc_ptr, pm_ptr, pz_ptr,
-                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr):
-    """Per chunk of a row that filters by top-k or top-p: counts (and weights) at the first cutoffs."""
+                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, WINNER: tl.constexpr):
+    """Per chunk of a row that filters by top-k or top-p (not a winner row): counts (and weights) at
+    the first cutoffs."""
     row = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -476,7 +499,7 @@ def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, p
     temp = tl.load(f_ptr + slot)
     top_p = tl.load(f_ptr + S + slot)
     top_k = tl.load(i_ptr + slot)
-    if (temp > 0) & ((top_k > 0) | (top_p < 1.0)):
+    if (temp > 0) & ((top_k > 0) | (top_p < 1.0)) & ~_winner_row(temp, top_k, top_p, WINNER):
         m = _row_max(pmax_ptr, row, split, SP2)
         inv_t = 1.0 / temp
         tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
@@ -499,9 +522,10 @@ def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, p
 @triton.jit
 def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, piv_ptr, pc_ptr, pm_ptr,
                     pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, SP2: tl.constexpr, P: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, WINNER: tl.constexpr):
     """Per chunk: a filtering row's candidates to its scratch row (at the chunk's offset); a row that
-    does not filter (temperature, min_p) races its chunk."""
+    does not filter (temperature, min_p) races its chunk, and so does a winner row, which also weighs
+    what min_p kept of its chunk."""
     row = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -515,7 +539,9 @@ def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr,
         xrow = x_ptr + row.to(tl.int64) * x_stride
         lo = s * CH
         n = tl.minimum(CH, V - lo)
-        if (top_k > 0) | (top_p < 1.0):
+        filters = (top_k > 0) | (top_p < 1.0)
+        winner = _winner_row(temp, top_k, top_p, WINNER)
+        if filters & ~winner:
             c = tl.load(piv_ptr + row * P + tl.arange(0, P))
             found, cstar, jstar, n_c, _, _, _ = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
                                                         top_p, C, P)
@@ -530,15 +556,106 @@ def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr,
             best, best_id = _race(xrow + lo, n, lo, tau_minp, 1.0 / temp, key, key2, BLOCK)
             tl.store(rs_ptr + row * split + s, best)
             tl.store(ri_ptr + row * split + s, best_id)
+            if winner:
+                dummy = tl.zeros([BLOCK], tl.float32)
+                _, za = _count_mass(xrow + lo, n, dummy, dummy, tau_minp, m, 1.0 / temp, True, False, BLOCK)
+                tl.store(pz_ptr + row * split + s, za)
+
+
+@triton.jit
+def _chunks_winner(rs_ptr, ri_ptr, row, split, res):
+    """The best of a row's chunk races (the first chunk on ties): (its score, its token; ``res`` if none)."""
+    best = tl.full((), float("-inf"), tl.float32)
+    for s in range(0, split):
+        sc = tl.load(rs_ptr + row * split + s)
+        take = sc > best
+        res = tl.where(take, tl.load(ri_ptr + row * split + s), res)
+        best = tl.where(take, sc, best)
+    return best, res
+
+
+@triton.jit
+def _kept(pm_ptr, pz_ptr, row, split, k, best, top_p, P: tl.constexpr):
+    """Whether top-p keeps a winner row's winner of race ``k`` (best: its score): the chunks' weights
+    above it (`_above_kernel`) come to less than top_p of what min_p kept. Sums in chunk order: every
+    kernel that asks gets the same answer."""
+    mass = tl.full((), 0.0, tl.float32)
+    z_a = tl.full((), 0.0, tl.float32)
+    for s in range(0, split):
+        at = (row * split + s).to(tl.int64)
+        mass += tl.load(pm_ptr + at * P + k)
+        z_a += tl.load(pz_ptr + at)
+    return (best > float("-inf")) & (mass < top_p * z_a)
+
+
+@triton.jit
+def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pm_ptr, pz_ptr,
+                  rs_ptr, ri_ptr, rs2_ptr, ri2_ptr, SP2: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGE: tl.constexpr):
+    """Per chunk of a winner row. STAGE 0: the weight of its tokens above the winner of race 0
+    (`_compact_kernel`'s). STAGE 1, where top-p dropped race 0's winner: race 1, over its tokens above
+    that winner (top-p keeps only tokens above a token it dropped). STAGE 2, the same: the weight of
+    its tokens above race 1's winner."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    split = tl.num_programs(1)
+    slot = tl.load(slot_ptr + row)
+    temp = tl.load(f_ptr + slot)
+    top_p = tl.load(f_ptr + S + slot)
+    top_k = tl.load(i_ptr + slot)
+    if _winner_row(temp, top_k, top_p, True):
+        go = STAGE == 0
+        if STAGE > 0:
+            best, w0 = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))
+            go = ~_kept(pm_ptr, pz_ptr, row, split, 0, best, top_p, P)
+        if go:
+            m = _row_max(pmax_ptr, row, split, SP2)
+            inv_t = 1.0 / temp
+            xrow = x_ptr + row.to(tl.int64) * x_stride
+            lo = s * CH
+            n = tl.minimum(CH, V - lo)
+            if STAGE == 2:
+                _, w = _chunks_winner(rs2_ptr, ri2_ptr, row, split, tl.full((), 0, tl.int64))
+            else:
+                _, w = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))
+            above = _float_of(_key_of(tl.load(xrow + w)) + 1)  # x >= above: x > x[w]
+            at = row * split + s
+            if STAGE == 1:
+                key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+                key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+                best, best_id = _race(xrow + lo, n, lo, above, inv_t, key, key2, BLOCK)
+                tl.store(rs2_ptr + at, best)
+                tl.store(ri2_ptr + at, best_id)
+            else:
+                dummy = tl.zeros([BLOCK], tl.float32)
+                _, mass = _count_mass(xrow + lo, n, dummy, dummy, above, m, inv_t, True, False, BLOCK)
+                tl.store(pm_ptr + at.to(tl.int64) * P + STAGE // 2, mass)
+
+
+@triton.jit
+def _retry(xrow, V, w, m, inv_t, top_p, z_a, key, key2, BLOCK: tl.constexpr, TRIES: tl.constexpr):
+    """A winner row whose first two winners were dropped (w the second), in one program: race over
+    the tokens above the last winner and count above the new one, up to TRIES times.
+    -> (1 and the kept winner, or 0: search the threshold)."""
+    dummy = tl.zeros([BLOCK], tl.float32)
+    kept = tl.full((), 0, tl.int32)
+    tries = 0
+    while (kept == 0) & (tries < TRIES):
+        best, w = _race(xrow, V, 0, _float_of(_key_of(tl.load(xrow + w)) + 1), inv_t, key, key2, BLOCK)
+        _, mass = _count_mass(xrow, V, dummy, dummy, _float_of(_key_of(tl.load(xrow + w)) + 1), m, inv_t, True,
+                              False, BLOCK)
+        kept = ((best > float("-inf")) & (mass < top_p * z_a)).to(tl.int32)
+        tries += 1
+    return kept, w
 
 
 @triton.jit
 def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pidx_ptr, pmin_ptr, piv_ptr,
-                   pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, out_ptr, tau_ptr, fb_ptr, split,
-                   SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
-                   REFINE: tl.constexpr):
-    """Per row: greedy argmax; the exact threshold and race over the candidates (or the whole row);
-    or the best of the chunks' races."""
+                   pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, rs2_ptr, ri2_ptr, out_ptr, tau_ptr,
+                   fb_ptr, split, SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
+                   REFINE: tl.constexpr, WINNER: tl.constexpr, TRIES: tl.constexpr):
+    """Per row: greedy argmax; a winner row's first kept winner; the exact threshold and race over the
+    candidates (or the whole row); or the best of the chunks' races."""
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     temp = tl.load(f_ptr + slot)
@@ -556,32 +673,56 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
         key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
         key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
         if (top_k > 0) | (top_p < 1.0):
-            c = tl.load(piv_ptr + row * P + tl.arange(0, P))
-            found, cstar, jstar, n_c, lo, hi, z_a = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
-                                                            top_p, C, P)
             cx = cx_ptr + row.to(tl.int64) * C
             ci = ci_ptr + row.to(tl.int64) * C
             xrow = x_ptr + row.to(tl.int64) * x_stride
-            if found == 0:
-                tl.atomic_add(fb_ptr, 1)
-                lo_min = tl.min(tl.load(pmin_ptr + row * split + j, mask=j < split, other=float("inf")), 0)
-                found, cstar, n_c, lo, hi = _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k,
-                                                    top_p, cx, ci, C, BLOCK, PB, P, REFINE)
-            if found > 0:
-                tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
-                                        BLOCK)
-            else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
-                dummy = tl.zeros([BLOCK], tl.float32)
-                tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
-                _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
+            search = tl.full((), 1, tl.int32)
+            if _winner_row(temp, top_k, top_p, WINNER):
+                # the race over everything min_p kept picks the same token as the race over what the
+                # filter keeps whenever the filter keeps its winner (the same noise per token)
+                z_a = tl.sum(tl.load(pz_ptr + row * split + j, mask=j < split, other=0.0), 0)
+                found = tl.full((), 0, tl.int32)
+                cstar = tau_minp
+                n_c = tl.full((), 0, tl.int32)
+                lo = tl.full((), float("-inf"), tl.float32)
+                hi = _float_of(_key_of(m) + 1)
+                best, w = _chunks_winner(rs_ptr, ri_ptr, row, split, res)
+                if _kept(pm_ptr, pz_ptr, row, split, 0, best, top_p, P):
+                    res = w
+                    search = 0
+                else:
+                    best, w = _chunks_winner(rs2_ptr, ri2_ptr, row, split, w)
+                    if _kept(pm_ptr, pz_ptr, row, split, 1, best, top_p, P):
+                        res = w
+                        search = 0
+                    else:
+                        kept, w = _retry(xrow, V, w, m, inv_t, top_p, z_a, key, key2, BLOCK, TRIES)
+                        if kept != 0:
+                            res = w
+                            search = 0
+                if search == 0:
+                    tau = tl.full((), float("nan"), tl.float32)
+            else:
+                c = tl.load(piv_ptr + row * P + tl.arange(0, P))
+                found, cstar, jstar, n_c, lo, hi, z_a = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp,
+                                                                top_k, top_p, C, P)
+            if search != 0:
+                if found == 0:
+                    tl.atomic_add(fb_ptr, 1)
+                    lo_min = tl.min(tl.load(pmin_ptr + row * split + j, mask=j < split, other=float("inf")), 0)
+                    found, cstar, n_c, lo, hi = _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp,
+                                                        top_k, top_p, cx, ci, C, BLOCK, PB, P, REFINE)
+                if found > 0:
+                    tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
+                                            BLOCK)
+                else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
+                    dummy = tl.zeros([BLOCK], tl.float32)
+                    tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False,
+                                     BLOCK)
+                    _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
         else:
             tau = tau_minp
-            best = tl.full((), float("-inf"), tl.float32)
-            for s in range(0, split):
-                sc = tl.load(rs_ptr + row * split + s)
-                take = sc > best
-                res = tl.where(take, tl.load(ri_ptr + row * split + s), res)
-                best = tl.where(take, sc, best)
+            _, res = _chunks_winner(rs_ptr, ri_ptr, row, split, res)
     tl.store(out_ptr + row, res)
     tl.store(tau_ptr + row, tau)
 
@@ -628,13 +769,14 @@ def _split(B: int, V: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(V, ch), ch
 
 
-def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
+def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bool = True):
     """x [B, V] float32 logits (penalties applied in place), slots [B] int64; per slot: f [6, S] float32
     (temperature, top_p, min_p, repetition, presence, frequency penalty), i [5, S] int64 (top_k, ..,
     noise key in row 4), steps [S] int64; counts [S, V] int32 or None (no penalties); cand_x [>=B, C]
     float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows whose first cutoffs did
     not fit in C (they search their whole row). -> (token ids [B] int64, tau [B] float32). Same result
-    as `sample_ref`."""
+    as `sample_ref`. ``want_tau`` false: a top-p row without top-k whose race winner over what min_p
+    kept is also kept by top-p takes it without its threshold's search (its tau is nan)."""
     B, V = x.shape
     assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous()
     dev = x.device
@@ -646,21 +788,28 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback):
     sp2, P, S, C = triton.next_power_of_2(split), PIVOTS, f.shape[1], cand_x.shape[1]
     # every slice starts 64-byte aligned whatever B: Triton compiles a variant per pointer alignment
     n = triton.cdiv(B * split, 16) * 16
-    fl = torch.empty((4 + 2 * P) * n + B * P, dtype=torch.float32, device=dev)
-    pmax, pmin, pz, rs = (fl[k * n:k * n + B * split] for k in range(4))
-    pm = fl[4 * n:4 * n + P * B * split]
-    pc = fl[(4 + P) * n:(4 + P) * n + P * B * split].view(torch.int32)
-    piv = fl[(4 + 2 * P) * n:]
+    fl = torch.empty((5 + 2 * P) * n + B * P, dtype=torch.float32, device=dev)
+    pmax, pmin, pz, rs, rs2 = (fl[k * n:k * n + B * split] for k in range(5))
+    pm = fl[5 * n:5 * n + P * B * split]
+    pc = fl[(5 + P) * n:(5 + P) * n + P * B * split].view(torch.int32)
+    piv = fl[(5 + 2 * P) * n:]
     pidx = torch.empty(B * split, dtype=torch.int32, device=dev)
-    ri = torch.empty(B * split, dtype=torch.int64, device=dev)
+    ri = torch.empty(2 * n, dtype=torch.int64, device=dev)
+    ri, ri2 = ri[:B * split], ri[n:n + B * split]
     cnt = counts if counts is not None else x
-    _pass1_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
-                              PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
-    _pivot_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
-                              SP2=sp2, P=P, PB=PIVOT_BLOCK, num_warps=8)
-    _compact_kernel[(B, split)](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
-                                rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, num_warps=8)
+    winner = not want_tau
+    grid = (B, split)
+    _pass1_kernel[grid](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
+                        PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
+    _pivot_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
+                        SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, num_warps=8)
+    _compact_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
+                          rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, WINNER=winner, num_warps=8)
+    if winner:  # (winner rows: the first winner's check, then one more race and its check, split over the row)
+        for stage in range(3):
+            _above_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, pm, pz, rs, ri, rs2, ri2,
+                                SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, STAGE=stage, num_warps=8)
     _finish_kernel[(B,)](x, x.stride(0), V, slots, f, i, S, steps, pmax, pidx, pmin, piv, pc, pm, pz, cand_x, cand_i, C,
-                         rs, ri, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK, REFINE=REFINE,
-                         num_warps=8)
+                         rs, ri, rs2, ri2, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK,
+                         REFINE=REFINE, WINNER=winner, TRIES=TRIES, num_warps=8)
     return ids, tau

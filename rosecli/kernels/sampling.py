@@ -478,6 +478,15 @@ def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr,
 
 
 @triton.jit
+def _chunk_program(slot_ptr, f_ptr, i_ptr, S):
+    """A (row, chunk) program's row, chunk, chunk count, slot, temperature, top_p and top_k."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row)
+    return (row, tl.program_id(1), tl.num_programs(1), slot, tl.load(f_ptr + slot), tl.load(f_ptr + S + slot),
+            tl.load(i_ptr + slot))
+
+
+@triton.jit
 def _winner_row(temp, top_k, top_p, WINNER: tl.constexpr):
     """A row that takes its race's winner when its filter, top-p without top-k, keeps it (top-k keeps
     its winner only with the mass of its k tokens, often small: its candidates are few, searched fast)."""
@@ -492,13 +501,7 @@ def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, p
                   SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, WINNER: tl.constexpr):
     """Per chunk of a row that filters by top-k or top-p (not a winner row): counts (and weights) at
     the first cutoffs."""
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    split = tl.num_programs(1)
-    slot = tl.load(slot_ptr + row)
-    temp = tl.load(f_ptr + slot)
-    top_p = tl.load(f_ptr + S + slot)
-    top_k = tl.load(i_ptr + slot)
+    row, s, split, slot, temp, top_p, top_k = _chunk_program(slot_ptr, f_ptr, i_ptr, S)
     if (temp > 0) & ((top_k > 0) | (top_p < 1.0)) & ~_winner_row(temp, top_k, top_p, WINNER):
         m = _row_max(pmax_ptr, row, split, SP2)
         inv_t = 1.0 / temp
@@ -596,13 +599,7 @@ def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, p
     (`_compact_kernel`'s). STAGE 1, where top-p dropped race 0's winner: race 1, over its tokens above
     that winner (top-p keeps only tokens above a token it dropped). STAGE 2, the same: the weight of
     its tokens above race 1's winner."""
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    split = tl.num_programs(1)
-    slot = tl.load(slot_ptr + row)
-    temp = tl.load(f_ptr + slot)
-    top_p = tl.load(f_ptr + S + slot)
-    top_k = tl.load(i_ptr + slot)
+    row, s, split, slot, temp, top_p, top_k = _chunk_program(slot_ptr, f_ptr, i_ptr, S)
     if _winner_row(temp, top_k, top_p, True):
         go = STAGE == 0
         if STAGE > 0:

@@ -13,14 +13,15 @@ repetition, frequency, presence penalties (also for greedy rows); greedy rows ta
 those logits. Sampled rows: temperature, min_p, top-k, top-p (each over what the previous kept,
 renormalised), then softmax sampling.
 
-No vocabulary sort on the GPU: `rosecli.kernels.sampling.sample` (four Triton launches) applies the
-penalties, takes the greedy argmax, finds each row's filters as one exact logit threshold ``tau`` by
-counting passes and a bisection over at most `max_candidates` candidates, and runs the race over them
-(a top-p row without top-k first races over everything min_p kept and keeps the winner when top-p keeps
-it, a count in place of the search; the thresholds are searched for processed logprobs).
-A row whose first cutoffs leave more than `max_candidates` candidates (a flat distribution) gets the
-same exact answer from a slower search over its whole row; `fallback_rows` counts such rows. On the
-CPU the plain-torch reference (`sample_ref`, which sorts) gives the same result.
+No vocabulary sort on the GPU: `rosecli.kernels.sampling.sample` (four Triton launches, seven with
+top-p rows) applies the penalties, takes the greedy argmax, finds each row's filters as one exact
+logit threshold ``tau`` by counting passes and a bisection over at most `max_candidates` candidates,
+and runs the race over them (a top-p row without top-k first races over everything min_p kept and
+keeps the winner when top-p keeps it, a count in place of the search; the thresholds are searched for
+processed logprobs). A row whose first cutoffs leave more than `max_candidates` candidates (a flat
+distribution) gets the same exact answer from a slower search over its whole row; `fallback_rows`
+counts such rows. On the CPU the plain-torch reference (`sample_ref`, which sorts) gives the same
+result.
 
 Logprobs (vLLM's documented default, ``logprobs_mode="raw_logprobs"``): log_softmax of the model's
 logits as they came in, before bias, penalties, temperature and filtering. ``"processed"`` (vLLM's
@@ -321,13 +322,10 @@ class SamplerState:
             apply_bitmask(x, self.d_allowed.index_select(0, slots), *self._allowed_cols)
         if n_bias or n_stop:
             self._apply_sparse(x, slots, n_bias, n_stop)
-        args = (x, slots, self.d_f, self.d_i, self.generated, self.counts if pen else None, self.cand_x, self.cand_i,
-                self.fallback_rows)
+        run = K.sample if self.use_triton else K.sample_ref
         # the thresholds only for processed logprobs: a top-p row may otherwise skip its search
-        if self.use_triton:
-            ids, tau = K.sample(*args, want_tau=bool(num_logprobs) and raw is None)
-        else:
-            ids, tau = K.sample_ref(*args)
+        ids, tau = run(x, slots, self.d_f, self.d_i, self.generated, self.counts if pen else None,
+                       self.cand_x, self.cand_i, self.fallback_rows, want_tau=bool(num_logprobs) and raw is None)
         out = SampleOutput(ids)
         if num_logprobs:
             if raw is None:

@@ -155,8 +155,9 @@ def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
     return torch.where(greedy, ninf, tau)
 
 
-def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None):
-    """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches)."""
+def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True):
+    """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches; every row's
+    threshold, whatever ``want_tau``)."""
     if counts is not None:
         penalties_ref(x, slots, counts, f[3], f[4], f[5])
     temp = f[0][slots]

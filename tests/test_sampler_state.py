@@ -239,6 +239,59 @@ def test_sample_kernel_takes_the_race_winner_top_p_keeps():
     assert searched == 2 * draws and skipped == 5 * draws and dropped >= 6
 
 
+def test_cpu_sampler_gives_the_references_tokens_and_thresholds():
+    """`sample_cpu` (the CPU engine's: the largest logits sorted instead of every row, the race hashing only
+    tokens that can win) against the sorting reference: nuclei inside the first 256 logits and far past them
+    (flat rows: the sorted prefix grows twice), top-k of thousands, ties of the k-th value past the prefix,
+    min_p, held-back tokens, greedy rows, penalties; same ids and thresholds at every step."""
+    rows = [(0.0, 0, 1.0, 0.0), (0.8, 0, 0.95, 0.0), (1.0, 0, 0.99, 0.0), (0.7, 0, 0.9, 0.05), (1.2, 0, 1.0, 0.1),
+            (0.9, 0, 1.0, 0.0), (1.0, 3000, 0.9, 0.0), (1.0, 5, 0.9, 0.0), (0.8, 50, 0.95, 0.0), (1.0, 7, 1.0, 0.0),
+            (1.5, 0, 0.5, 0.0), (1.0, 0, 0.97, 0.0)]
+    for penalties in (False, True):
+        x, slots, f, i, steps, counts = _kernel_case(rows, 20000, penalties=penalties, slots=16, seed=3)
+        x[1] *= 0.02  # flat: a nucleus of most of the row
+        x[2] *= 0.1
+        x[7, 100:140] = x[7].max() + 1  # 40 tokens tie at the top: top_k 5 keeps all of them
+        x[9, :3000] = float("-inf")
+        x[11] *= 0.3
+        for step in range(4):
+            st = steps + 104729 * step
+            ids, tau = K.sample_cpu(x.clone(), slots, f, i, st, counts.clone() if penalties else None)
+            ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, st, counts.clone() if penalties else None)
+            assert ids.tolist() == ref_ids.tolist(), (penalties, step)
+            assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
+    # every row with top-k, so only the largest top_k + 1 are sorted: 40 tokens tie at row 0's 3rd value, past
+    # them, and top-p 0.5 keeps the ties only when they all count (the top token holds 10 of their 50 parts)
+    x, slots, f, i, steps, counts = _kernel_case([(1.0, 3, 0.5, 0.0), (0.8, 2, 0.95, 0.0)], 5000, seed=4)
+    x[0] = -20.0
+    x[0, 1000:1040] = 0.0
+    x[0, 7] = math.log(10.0)
+    ids, tau = K.sample_cpu(x.clone(), slots, f, i, steps, None)
+    ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, steps, None)
+    assert ids.tolist() == ref_ids.tolist() and torch.allclose(tau, ref_tau, atol=1e-6, rtol=0)
+    assert ref_tau[0].item() == 0.0  # (the ties are kept)
+    _kernel_vs_ref(x, slots, f, i, steps, None, capacity=64)  # (and the GPU's kernel weighs them too)
+
+
+def test_cpu_sampling_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    """torch's threads woken by a vocabulary-wide operation spin afterwards on the cores the decode step's
+    threads need: the CPU sampler runs on one thread (sampled decoding of the default model: 98 -> 207
+    tok/s on 2 CPUs) and the process's thread count is what it was after."""
+    seen = []
+    real = K.sample_cpu
+    monkeypatch.setattr(K, "sample_cpu", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        st = _state()
+        s = st.acquire(P(temperature=0.8, top_p=0.9, seed=1))
+        st.flush()
+        st.sample(torch.randn(1, V), _slots(s))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_sample_kernel_ties_take_the_first_token():
     """Greedy rows take the first of tied maxima, also when they lie in different chunks of the row;
     a top-k row keeps every token tied at its k-th value."""

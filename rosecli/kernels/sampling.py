@@ -139,10 +139,9 @@ def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
     sampled = ~greedy
     uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
     if bool((uses_k | uses_p).any()):
-        if bool((uses_p & ~uses_k).any()):
-            srt = x.sort(dim=1, descending=True).values
-        else:  # every row that filters has a top_k: its k largest are enough
-            srt = x.topk(min(int(top_k[uses_k].max()), V), dim=1).values
+        # (the whole row: the k largest alone miss ties of the k-th value past them, which top-k keeps and
+        # top-p then weighs)
+        srt = x.sort(dim=1, descending=True).values
         kept = srt >= tau[:, None]
         kth = srt.gather(1, (top_k.clamp(1, srt.shape[1]) - 1)[:, None]).squeeze(1)
         tau = torch.where(uses_k & (kept.sum(dim=1) >= top_k), torch.maximum(tau, kth), tau)
@@ -158,12 +157,96 @@ def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
 def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True):
     """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches; every row's
     threshold, whatever ``want_tau``)."""
+    return _sample_torch(x, slots, f, i, steps, counts, thresholds_ref, race_ref)
+
+
+def _sample_torch(x, slots, f, i, steps, counts, thresholds, race):
     if counts is not None:
         penalties_ref(x, slots, counts, f[3], f[4], f[5])
     temp = f[0][slots]
-    tau = thresholds_ref(x, temp, i[0][slots], f[1][slots], f[2][slots])
+    tau = thresholds(x, temp, i[0][slots], f[1][slots], f[2][slots])
     inv_t = torch.where(temp == 0, 0.0, 1.0 / torch.where(temp == 0, 1.0, temp))
-    return race_ref(x, None, slots, inv_t, tau, i[4], steps), tau
+    return race(x, None, slots, inv_t, tau, i[4], steps), tau
+
+
+# --- the CPU's sampler: the reference's answers with less work ----------------------------------
+FIRST_TOP = 256  # the largest logits `thresholds_cpu` sorts first (8 times more while the nucleus reaches past)
+GUMBEL_MAX = 16.7  # above the largest noise the hash gives: -log(-log(1 - 2**-24)) = 16.6355
+
+
+def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """`thresholds_ref`'s thresholds from the largest logits only (`torch.topk`, sorted) instead of a sort of
+    every row: the top-k value and the top-p cut lie among the largest ones unless the nucleus reaches past
+    them (then 8 times more, up to the whole row). The total weight top-p divides is what min_p and top-k kept
+    of the whole row."""
+    B, V = x.shape
+    ninf = torch.full((B,), float("-inf"), device=x.device)
+    greedy = temp == 0
+    inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
+    m = x.amax(dim=1)
+    tau = torch.where(min_p > 0, m + temp * torch.log(min_p.clamp_min(1e-30)), ninf)
+    sampled = ~greedy
+    uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
+    if not bool((uses_k | uses_p).any()):
+        return torch.where(greedy, ninf, tau)
+    # one more than the largest top_k: the last one says whether ties of the k-th value go on past them
+    k = int(top_k[uses_k].max()) + 1 if bool(uses_k.any()) else 0
+    k = min(V, k if bool((uses_p <= uses_k).all()) else max(FIRST_TOP, k))  # (top-p over top-k: k is enough)
+    while True:
+        srt = x.topk(k, dim=1).values
+        kept = srt >= tau[:, None]
+        kth = srt.gather(1, (top_k.clamp(1, k) - 1)[:, None]).squeeze(1)
+        # (fewer than top_k kept among the largest k >= top_k: fewer in the row)
+        tau_k = torch.where(uses_k & (kept.sum(dim=1) >= top_k), torch.maximum(tau, kth), tau)
+        if not bool(uses_p.any()):
+            return torch.where(greedy, ninf, tau_k)
+        kept = srt >= tau_k[:, None]
+        w = torch.where(kept, torch.exp((srt - m[:, None]) * inv_t[:, None]), 0.0)
+        z = w.sum(dim=1)
+        n_kept = kept.sum(dim=1)
+        beyond = uses_p & (srt[:, -1] >= tau_k) & (k < V)  # (maybe) kept tokens past the k largest
+        if bool(beyond.any()):
+            rest = torch.where(x >= tau_k[:, None], torch.exp((x - m[:, None]) * inv_t[:, None]), 0.0).sum(dim=1)
+            z = torch.where(beyond, rest, z)
+        n_keep = (kept & ((w.cumsum(dim=1) - w) < (top_p * z)[:, None])).sum(dim=1)
+        if k == V or not bool((beyond & (n_keep >= n_kept)).any()):  # (no nucleus reaching past them)
+            break
+        k = min(V, 8 * k)
+    tau_p = srt.gather(1, (n_keep.clamp_min(1) - 1)[:, None]).squeeze(1)
+    return torch.where(greedy, ninf, torch.where(uses_p, torch.maximum(tau_k, tau_p), tau_k))
+
+
+def race_cpu(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, tau: torch.Tensor,
+             keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`race_ref`'s winner, hashing only the tokens that can win: no noise exceeds `GUMBEL_MAX`, so a
+    kept token whose tempered logit plus it falls short of the score of the largest kept logit's token
+    cannot win (nor tie) the race."""
+    B, N = x.shape
+    if tokens is None:
+        tokens = torch.arange(N, device=x.device).expand(B, N)
+    kept = x >= tau[:, None]
+    score = x.masked_fill(~kept, float("-inf"))  # greedy rows race on their logits alone
+    sampled = (inv_t != 0)[:, None]
+    if int((kept & sampled).sum()) > FIRST_TOP:  # (a few kept tokens: hashing them costs less than the bound)
+        xs = x * inv_t[:, None]
+        top = score.argmax(dim=1, keepdim=True)
+        reached = xs.gather(1, top) + gumbel_ref(keys[slots], steps[slots], tokens.gather(1, top))
+        can_win = kept & sampled & (xs + GUMBEL_MAX >= reached)
+        score = score.masked_fill(sampled & ~can_win, float("-inf"))
+    else:
+        can_win = kept & sampled
+    rows, cols = can_win.nonzero(as_tuple=True)
+    if rows.numel():
+        g = gumbel_ref(keys[slots][rows], steps[slots][rows], tokens[rows, cols][:, None]).squeeze(1)
+        score[rows, cols] = x[rows, cols] * inv_t[rows] + g
+    best = score.argmax(dim=1, keepdim=True)
+    return tokens.gather(1, best).squeeze(1).long()
+
+
+def sample_cpu(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True):
+    """`sample_ref`'s answers for the CPU's engine, with less work (`thresholds_cpu`, `race_cpu`)."""
+    return _sample_torch(x, slots, f, i, steps, counts, thresholds_cpu, race_cpu)
 
 
 # --- the fused kernel ---------------------------------------------------------------------------

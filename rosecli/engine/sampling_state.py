@@ -20,8 +20,8 @@ and runs the race over them (a top-p row without top-k first races over everythi
 keeps the winner when top-p keeps it, a count in place of the search; the thresholds are searched for
 processed logprobs). A row whose first cutoffs leave more than `max_candidates` candidates (a flat
 distribution) gets the same exact answer from a slower search over its whole row; `fallback_rows`
-counts such rows. On the CPU the plain-torch reference (`sample_ref`, which sorts) gives the same
-result.
+counts such rows. On the CPU `sample_cpu` gives the plain-torch reference's (`sample_ref`'s) result with
+less work, on one thread (`sample`).
 
 Logprobs (vLLM's documented default, ``logprobs_mode="raw_logprobs"``): log_softmax of the model's
 logits as they came in, before bias, penalties, temperature and filtering. ``"processed"`` (vLLM's

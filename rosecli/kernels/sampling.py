@@ -127,17 +127,22 @@ def penalties_ref(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, re
     return x
 
 
-def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
-    """Each row's logit threshold tau (module doc) by sorting; -inf for greedy rows (temp 0)."""
-    B, V = x.shape
-    ninf = torch.full((B,), float("-inf"), device=x.device)
+def _filters(x, temp, top_k, top_p, min_p):
+    """What the threshold searches start from: -inf per row, the greedy rows, 1/T (0 for greedy), each row's
+    max, min_p's threshold (or -inf), and the sampled rows using top-k and top-p."""
+    ninf = torch.full((x.shape[0],), float("-inf"), device=x.device)
     greedy = temp == 0
     inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
     m = x.amax(dim=1)
     tau = torch.where(min_p > 0, m + temp * torch.log(min_p.clamp_min(1e-30)), ninf)
     sampled = ~greedy
-    uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
+    return ninf, greedy, inv_t, m, tau, sampled & (top_k > 0), sampled & (top_p < 1)
+
+
+def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """Each row's logit threshold tau (module doc) by sorting; -inf for greedy rows (temp 0)."""
+    ninf, greedy, inv_t, m, tau, uses_k, uses_p = _filters(x, temp, top_k, top_p, min_p)
     if bool((uses_k | uses_p).any()):
         # (the whole row: the k largest alone miss ties of the k-th value past them, which top-k keeps and
         # top-p then weighs)
@@ -180,14 +185,8 @@ def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
     every row: the top-k value and the top-p cut lie among the largest ones unless the nucleus reaches past
     them (then 8 times more, up to the whole row). The total weight top-p divides is what min_p and top-k kept
     of the whole row."""
-    B, V = x.shape
-    ninf = torch.full((B,), float("-inf"), device=x.device)
-    greedy = temp == 0
-    inv_t = torch.where(greedy, 0.0, 1.0 / torch.where(greedy, 1.0, temp))
-    m = x.amax(dim=1)
-    tau = torch.where(min_p > 0, m + temp * torch.log(min_p.clamp_min(1e-30)), ninf)
-    sampled = ~greedy
-    uses_k, uses_p = sampled & (top_k > 0), sampled & (top_p < 1)
+    V = x.shape[1]
+    ninf, greedy, inv_t, m, tau, uses_k, uses_p = _filters(x, temp, top_k, top_p, min_p)
     if not bool((uses_k | uses_p).any()):
         return torch.where(greedy, ninf, tau)
     # one more than the largest top_k: the last one says whether ties of the k-th value go on past them

@@ -191,7 +191,7 @@ def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
         return torch.where(greedy, ninf, tau)
     # one more than the largest top_k: the last one says whether ties of the k-th value go on past them
     k = int(top_k[uses_k].max()) + 1 if bool(uses_k.any()) else 0
-    k = min(V, k if bool((uses_p <= uses_k).all()) else max(FIRST_TOP, k))  # (top-p over top-k: k is enough)
+    k = min(V, max(FIRST_TOP, k) if bool((uses_p & ~uses_k).any()) else k)  # (top-p over top-k: k is enough)
     while True:
         srt = x.topk(k, dim=1).values
         kept = srt >= tau[:, None]
@@ -328,6 +328,13 @@ def _min_at_least(ptr, n, xt, c, TILE: tl.constexpr, BLOCK: tl.constexpr):
             acc = tl.minimum(acc, tl.where((offs < n) & (x >= c), x, float("inf")))
         best = tl.min(acc, 0)
     return tl.where(best == float("inf"), c, best)
+
+
+@triton.jit
+def _noise_keys(i_ptr, step_ptr, S, slot):
+    """The slot's two noise keys: its key, and its key mixed with its step (`gumbel_ref`'s)."""
+    key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
+    return key, _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
 
 
 @triton.jit
@@ -637,8 +644,7 @@ def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr,
                     at += tl.load(pc_ptr + (row * split + s2).to(tl.int64) * P + jstar)
                 _compact(xrow, lo, n, cstar, cx_ptr + row.to(tl.int64) * C, ci_ptr + row.to(tl.int64) * C, at, BLOCK)
         else:
-            key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
-            key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+            key, key2 = _noise_keys(i_ptr, step_ptr, S, slot)
             best, best_id = _race(xrow + lo, n, lo, tau_minp, 1.0 / temp, key, key2, BLOCK)
             tl.store(rs_ptr + row * split + s, best)
             tl.store(ri_ptr + row * split + s, best_id)
@@ -684,9 +690,9 @@ def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, p
     its tokens above race 1's winner."""
     row, s, split, slot, temp, top_p, top_k = _chunk_program(slot_ptr, f_ptr, i_ptr, S)
     if _winner_row(temp, top_k, top_p, True):
+        best, w = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))  # race 0's
         go = STAGE == 0
         if STAGE > 0:
-            best, w0 = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))
             go = ~_kept(pm_ptr, pz_ptr, row, split, 0, best, top_p, P)
         if go:
             m = _row_max(pmax_ptr, row, split, SP2)
@@ -695,14 +701,11 @@ def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, p
             lo = s * CH
             n = tl.minimum(CH, V - lo)
             if STAGE == 2:
-                _, w = _chunks_winner(rs2_ptr, ri2_ptr, row, split, tl.full((), 0, tl.int64))
-            else:
-                _, w = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))
+                _, w = _chunks_winner(rs2_ptr, ri2_ptr, row, split, w)
             above = _float_of(_key_of(tl.load(xrow + w)) + 1)  # x >= above: x > x[w]
             at = row * split + s
             if STAGE == 1:
-                key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
-                key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+                key, key2 = _noise_keys(i_ptr, step_ptr, S, slot)
                 best, best_id = _race(xrow + lo, n, lo, above, inv_t, key, key2, BLOCK)
                 tl.store(rs2_ptr + at, best)
                 tl.store(ri2_ptr + at, best_id)
@@ -750,8 +753,7 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
         top_p = tl.load(f_ptr + S + slot)
         top_k = tl.load(i_ptr + slot)
         tau_minp = _tau_minp(m, temp, tl.load(f_ptr + 2 * S + slot))
-        key = tl.load(i_ptr + 4 * S + slot).to(tl.uint32)
-        key2 = _fmix32(key + tl.load(step_ptr + slot).to(tl.uint32) * 0x9E3779B1)
+        key, key2 = _noise_keys(i_ptr, step_ptr, S, slot)
         if (top_k > 0) | (top_p < 1.0):
             cx = cx_ptr + row.to(tl.int64) * C
             ci = ci_ptr + row.to(tl.int64) * C

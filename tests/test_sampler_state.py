@@ -158,24 +158,35 @@ def _kernel_case(rows, vocab, scale=3.0, penalties=False, slots=8, seed=0):
     return x, perm.clone(), f, i, steps, counts
 
 
+def _row_kinds(slots, f, i):
+    """The row kinds `SamplerState.variant` tells `K.sample` of (top-p without top-k, top-k), from the rows."""
+    sampled = f[0][slots] > 0
+    k, p = i[0][slots], f[1][slots]
+    return bool((sampled & (k <= 0) & (p < 1)).any()), bool((sampled & (k > 0)).any())
+
+
 def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
     """`K.sample` against `K.sample_ref`: the ids and thresholds (``want_tau``), and the ids alone when the
-    kernel may take a race winner without its row's threshold. -> rows that searched their whole row."""
+    kernel may take a race winner without its row's threshold, with every pass launched and with only the
+    passes the rows' kinds need. -> rows that searched their whole row."""
     B = x.shape[0]
     x, slots, f, i, steps = (t.to(DEV) for t in (x, slots, f, i, steps))
     counts = counts.to(DEV) if counts is not None else None
     ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, steps, counts.clone() if counts is not None else None)
-    searched = []
-    for want_tau in (True, False):
+    searched, kinds = [], _row_kinds(slots, f, i)
+    for want_tau, kinds in [(True, None), (False, None)] + ([(True, kinds), (False, kinds)] if kinds != (True, True)
+                                                           else []):
         fallback = torch.zeros((), dtype=torch.int32, device=DEV)
         xk, xr = x.clone(), x.clone()
-        ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.empty(B, capacity, device=DEV),
-                            torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback, want_tau=want_tau)
+        # (scratch of NaN: a pass the kinds skip must not be one a row reads)
+        ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.full((B, capacity), float("nan"), device=DEV),
+                            torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback, want_tau=want_tau,
+                            kinds=kinds)
         K.sample_ref(xr, slots, f, i, steps, counts)
         assert torch.allclose(xk, xr, atol=1e-5)  # penalties written back
         if want_tau:
             assert torch.allclose(tau, ref_tau, atol=1e-5, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
-        assert ids.tolist() == ref_ids.tolist(), f"want_tau={want_tau}"
+        assert ids.tolist() == ref_ids.tolist(), f"want_tau={want_tau}, kinds={kinds}"
         searched.append(fallback.item())
     return searched[0]
 
@@ -191,6 +202,40 @@ def test_sample_kernel_matches_reference(vocab, penalties):
     reference's tokens and thresholds: greedy, temperature, top-k, top-p, min_p and combinations."""
     x, slots, f, i, steps, counts = _kernel_case(ROWS, vocab, penalties=penalties, slots=12, seed=vocab)
     _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=256)
+
+
+@pytest.mark.parametrize("kind", ["temperature", "top-k", "top-p", "greedy"])
+def test_sample_kernel_batches_of_one_kind(kind):
+    """A batch of one kind of row (W1 sampled, S1, temperature alone) launches only the passes its rows need
+    (`_row_kinds`): the reference's tokens and thresholds all the same."""
+    rows = [r for r in ROWS if {"temperature": r[0] > 0 and r[1] in (0, 1) and r[2] == 1.0,
+                                "top-k": r[0] > 0 and r[1] > 1, "top-p": r[0] > 0 and r[1] == 0 and r[2] < 1,
+                                "greedy": r[0] == 0 or r[1] == 1}[kind]]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 5000, slots=12, seed=len(rows))
+    assert _row_kinds(slots, f, i) == {"temperature": (False, False), "top-k": (False, True),
+                                       "top-p": (True, False), "greedy": (False, True)}[kind]
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=256)
+
+
+def test_variant_names_the_row_kinds_the_slots_hold():
+    """`SamplerState.variant` tells the kernels which rows the acquired slots can give (top-p without top-k,
+    top-k), so they launch only the passes those need: a kind it left out would have its rows read scratch
+    no pass wrote. Greedy slots (temperature 0, top_k 1) are neither; a released slot's kind goes with it."""
+    st = _state()
+    kinds = lambda: st.variant()[-1]  # noqa: E731
+    held = [st.acquire(P(temperature=0.0, top_p=0.5)), st.acquire(P(temperature=0.9, top_k=1, top_p=0.9)),
+            st.acquire(P(temperature=0.7))]
+    assert kinds() == (False, False)
+    k = st.acquire(P(temperature=0.8, top_k=50, top_p=0.95))
+    assert kinds() == (False, True)
+    p = st.acquire(P(temperature=0.8, top_p=0.95, min_p=0.05))
+    assert kinds() == (True, True)
+    st.release(k)
+    assert kinds() == (True, False)
+    st.release(p)
+    assert kinds() == (False, False)
+    for slot in held:
+        st.release(slot)
 
 
 def test_sample_kernel_exact_beyond_its_candidates():

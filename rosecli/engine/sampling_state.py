@@ -209,11 +209,14 @@ class SamplerState:
         a = self.active
         temp, top_p, min_p, rep, pres, freq = self.h_f
         top_k, min_tokens, n_bias, n_stop, _ = self.h_i
+        sampled = a & (temp > 0)
         return (
             bool((a & ((rep != 1) | (pres != 0) | (freq != 0))).any()),  # penalties
             int(n_bias[a].max(initial=0)),  # logit_bias width
             int(n_stop[a & (min_tokens > 0)].max(initial=0)),  # min_tokens stop-id width
             bool((a & self.h_allowed).any()),  # allowed_token_ids
+            # the kernels' row kinds (`K.sample`'s ``kinds``): top-p without top-k, and top-k
+            (bool((sampled & (top_k <= 0) & (top_p < 1)).any()), bool((sampled & (top_k > 0)).any())),
         )
 
     def variant(self) -> tuple:
@@ -326,7 +329,7 @@ class SamplerState:
             torch.set_num_threads(threads)
 
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor, num_logprobs: int) -> SampleOutput:
-        pen, n_bias, n_stop, allowed = self.variant()
+        pen, n_bias, n_stop, allowed, kinds = self.variant()
         B, V = logits.shape
         if V != self.vocab_size:
             raise ValueError(f"logits have {V} columns, the sampler was built for a vocabulary of {self.vocab_size}")
@@ -339,7 +342,8 @@ class SamplerState:
         run = K.sample if self.use_triton else K.sample_cpu
         # the thresholds only for processed logprobs: a top-p row may otherwise skip its search
         ids, tau = run(x, slots, self.d_f, self.d_i, self.generated, self.counts if pen else None,
-                       self.cand_x, self.cand_i, self.fallback_rows, want_tau=bool(num_logprobs) and raw is None)
+                       self.cand_x, self.cand_i, self.fallback_rows, want_tau=bool(num_logprobs) and raw is None,
+                       kinds=kinds)
         out = SampleOutput(ids)
         if num_logprobs:
             if raw is None:

@@ -36,6 +36,8 @@ program, then searches its threshold. A row samples outside its nucleus with pro
 top_p, so most rows stop at the first check.
 """
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -159,7 +161,8 @@ def thresholds_ref(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
     return torch.where(greedy, ninf, tau)
 
 
-def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True):
+def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True,
+               kinds=None):
     """Plain-torch `sample`: same arguments, same result (sorting where the kernel searches; every row's
     threshold, whatever ``want_tau``)."""
     return _sample_torch(x, slots, f, i, steps, counts, thresholds_ref, race_ref)
@@ -243,7 +246,8 @@ def race_cpu(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, 
     return tokens.gather(1, best).squeeze(1).long()
 
 
-def sample_cpu(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True):
+def sample_cpu(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True,
+               kinds=None):
     """`sample_ref`'s answers for the CPU's engine, with less work (`thresholds_cpu`, `race_cpu`)."""
     return _sample_torch(x, slots, f, i, steps, counts, thresholds_cpu, race_cpu)
 
@@ -523,9 +527,10 @@ def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p
     return found, cstar, n_c, lo, hi
 
 
-# Four launches (seven with winner rows); the row is split into `split` chunks of CH tokens for the
-# passes over it. A *winner row* (``WINNER``: the thresholds are not wanted) samples with top-p and no
-# top-k: it races over everything min_p kept and keeps the winner when top-p keeps it.
+# Four launches (seven with winner rows; fewer where no row of the slots needs a pass: `sample`'s ``kinds``);
+# the row is split into `split` chunks of CH tokens for the passes over it. A *winner row* (``WINNER``: the
+# thresholds are not wanted) samples with top-p and no top-k: it races over everything min_p kept and keeps
+# the winner when top-p keeps it.
 @triton.jit
 def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr, pidx_ptr, pmin_ptr,
                   PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr):
@@ -851,14 +856,17 @@ def _split(B: int, V: int, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(V, ch), ch
 
 
-def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bool = True):
+def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bool = True,
+           kinds: Optional[tuple[bool, bool]] = None):
     """x [B, V] float32 logits (penalties applied in place), slots [B] int64; per slot: f [6, S] float32
     (temperature, top_p, min_p, repetition, presence, frequency penalty), i [5, S] int64 (top_k, ..,
     noise key in row 4), steps [S] int64; counts [S, V] int32 or None (no penalties); cand_x [>=B, C]
     float32 and cand_i [>=B, C] int32 scratch; fallback: int32 counter of rows whose first cutoffs did
     not fit in C (they search their whole row). -> (token ids [B] int64, tau [B] float32). Same result
     as `sample_ref`. ``want_tau`` false: a top-p row without top-k whose race winner over what min_p
-    kept is also kept by top-p takes it without its threshold's search (its tau is nan)."""
+    kept is also kept by top-p takes it without its threshold's search (its tau is nan). ``kinds``: whether
+    any row may be (top-p without top-k, top-k) among the slots (`SamplerState.variant`); a pass no row
+    needs is not launched (None: every pass)."""
     B, V = x.shape
     assert x.stride(1) == 1 and f.is_contiguous() and i.is_contiguous()
     dev = x.device
@@ -880,14 +888,16 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bo
     ri, ri2 = ri[:B * split], ri[n:n + B * split]
     cnt = counts if counts is not None else x
     winner = not want_tau
+    top_p_rows, top_k_rows = (True, True) if kinds is None else kinds
     grid = (B, split)
     _pass1_kernel[grid](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
                         PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
-    _pivot_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
-                        SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, num_warps=8)
+    if top_k_rows or (top_p_rows and not winner):  # (the rows that search their thresholds)
+        _pivot_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
+                            SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, num_warps=8)
     _compact_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
                           rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, WINNER=winner, num_warps=8)
-    if winner:  # (winner rows: the first winner's check, then one more race and its check, split over the row)
+    if winner and top_p_rows:  # (winner rows: the first winner's check, then one more race and its check, split)
         for stage in range(3):
             _above_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, pm, pz, rs, ri, rs2, ri2,
                                 SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, STAGE=stage, num_warps=8)

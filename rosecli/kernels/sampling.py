@@ -890,8 +890,10 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bo
     winner = not want_tau
     top_p_rows, top_k_rows = (True, True) if kinds is None else kinds
     grid = (B, split)
+    # (4 warps read a chunk faster where no penalty is applied; with penalties 8: H200, docs/performance.md)
     _pass1_kernel[grid](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
-                        PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, num_warps=8)
+                        PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK,
+                        num_warps=8 if counts is not None else 4)
     if top_k_rows or (top_p_rows and not winner):  # (the rows that search their thresholds)
         _pivot_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
                             SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, num_warps=8)

@@ -317,6 +317,44 @@ def test_cpu_sampler_gives_the_references_tokens_and_thresholds():
     _kernel_vs_ref(x, slots, f, i, steps, None, capacity=64)  # (and the GPU's kernel weighs them too)
 
 
+def test_cpu_noise_is_the_references_bit_for_bit():
+    """`gumbel_cpu` (uint32 in numpy) gives `gumbel_ref`'s noise (uint32 emulated in int64) to the bit, keys and
+    steps at their extremes included: a seeded request samples the same text on either."""
+    g = torch.Generator().manual_seed(0)
+    key = torch.randint(0, 2**32, (6,), generator=g)
+    step = torch.randint(0, 2**40, (6,), generator=g)  # (steps past 2**32 wrap as the kernel's do)
+    key[:2], step[2:4] = torch.tensor([0, 2**32 - 1]), torch.tensor([0, 2**32 - 1])
+    tokens = torch.randint(0, 2**31, (6, 4000), generator=g)
+    tokens[0, :2] = torch.tensor([0, 2**31 - 1])
+    ref, cpu = K.gumbel_ref(key, step, tokens), K.gumbel_cpu(key, step, tokens)
+    assert cpu.dtype == ref.dtype == torch.float32 and torch.equal(cpu.view(torch.int32), ref.view(torch.int32))
+
+
+def test_cpu_top_p_rows_sort_only_the_tokens_above_a_cutoff(monkeypatch):
+    """`thresholds_cpu`'s top-p rows without top-k sort only the tokens above the first cutoff whose weight
+    reaches top_p (peaked and middling rows, ties at the nucleus's edge, min_p's cut reached first): the
+    reference's thresholds and tokens; a flat row (more than `NUCLEUS_MAX` candidates) and the top-k rows take
+    the sort of the largest logits."""
+    rows = [(0.8, 0, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 0.99, 0.2),
+            (1.0, 20, 0.9, 0.0), (1.2, 0, 0.8, 0.0), (0.0, 0, 1.0, 0.0)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 20000, slots=12, seed=13)
+    x[1] *= 0.8  # rows 0 and 1: their nucleus past the first two cutoffs (3,786 candidates at the third)
+    x[2] *= 0.01  # flat: thousands of candidates at every cutoff
+    x[3, 100:140] = x[3].max() + 1  # 40 tokens tie at the top: top-p 0.5 keeps them all
+    x[6, 5000] = x[6].max() + 30  # one token holds nearly all the weight
+    sent = []
+    real = K._thresholds_topk
+    monkeypatch.setattr(K, "_thresholds_topk", lambda x, *a: sent.append(x.shape[0]) or real(x, *a))
+    for step in range(3):
+        st = steps + 104729 * step
+        ids, tau = K.sample_cpu(x.clone(), slots, f, i, st, None)
+        ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, st, None)
+        assert ids.tolist() == ref_ids.tolist(), step
+        assert torch.allclose(tau, ref_tau, atol=1e-6, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
+    assert sent == [2, 2, 2]  # (the flat row and the top-k row)
+    assert (ref_tau[3] == x[3].max()).item() and (x[3] >= ref_tau[3]).sum() == 40
+
+
 def test_cpu_sampling_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
     """torch's threads woken by a vocabulary-wide operation spin afterwards on the cores the decode step's
     threads need: the CPU sampler runs on one thread (sampled decoding of the default model: 98 -> 207

@@ -330,6 +330,20 @@ def test_cpu_noise_is_the_references_bit_for_bit():
     assert cpu.dtype == ref.dtype == torch.float32 and torch.equal(cpu.view(torch.int32), ref.view(torch.int32))
 
 
+def test_cpu_penalties_are_the_references_bit_for_bit():
+    """`penalties_cpu` (the tokens a slot has seen only) gives `penalties_ref`'s logits to the bit: repetition
+    over prompt and output tokens, frequency and presence over the output, rows without penalties (left as they
+    were whatever their counts hold) and a slot that has seen nothing."""
+    x, slots, f, i, steps, counts = _kernel_case(ROWS, 5000, penalties=True, slots=12, seed=17)
+    x[:, :50] = -x[:, :50].abs()  # negative logits: multiplied, not divided
+    f[3:, slots[2]] = torch.tensor([1.0, 0.0, 0.0])  # a row without penalties
+    counts[slots[3]] = 0  # a slot that has seen nothing
+    ref = K.penalties_ref(x.clone(), slots, counts, f[3], f[4], f[5])
+    cpu = K.penalties_cpu(x.clone(), slots, counts, f[3], f[4], f[5])
+    assert torch.equal(cpu.view(torch.int32), ref.view(torch.int32))
+    assert not torch.equal(ref, x)  # (the penalties changed something)
+
+
 def test_cpu_top_p_rows_sort_only_the_tokens_above_a_cutoff(monkeypatch):
     """`thresholds_cpu`'s top-p rows without top-k sort only the tokens above the first cutoff whose weight
     reaches top_p (peaked and middling rows, ties at the nucleus's edge, min_p's cut reached first): the

@@ -150,6 +150,23 @@ def penalties_ref(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, re
     return x
 
 
+def penalties_cpu(x: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+                  pres: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """`penalties_ref`'s result, bit for bit, computed on the tokens each row's slot has seen (found by numpy)
+    instead of the whole vocabulary: every other logit, and every logit of a row without penalties, it leaves
+    as it was (x / 1, x * 1, x - 0 are x)."""
+    cn = counts.numpy()
+    neutral = ((rep == 1) & (pres == 0) & (freq == 0)).tolist()
+    for r, slot in enumerate(slots.tolist()):
+        if neutral[slot]:
+            continue
+        i = torch.from_numpy(np.flatnonzero(cn[slot]))
+        n = (counts[slot, i] & (PROMPT_BIT - 1)).to(torch.float32)
+        v = x[r, i]
+        x[r, i] = torch.where(v > 0, v / rep[slot], v * rep[slot]) - freq[slot] * n - pres[slot] * (n > 0)
+    return x
+
+
 def _filters(x, temp, top_k, top_p, min_p):
     """What the threshold searches start from: -inf per row, the greedy rows, 1/T (0 for greedy), each row's
     max, min_p's threshold (or -inf), and the sampled rows using top-k and top-p."""
@@ -189,9 +206,9 @@ def sample_ref(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback
     return _sample_torch(x, slots, f, i, steps, counts, thresholds_ref, race_ref)
 
 
-def _sample_torch(x, slots, f, i, steps, counts, thresholds, race):
+def _sample_torch(x, slots, f, i, steps, counts, thresholds, race, penalties=penalties_ref):
     if counts is not None:
-        penalties_ref(x, slots, counts, f[3], f[4], f[5])
+        penalties(x, slots, counts, f[3], f[4], f[5])
     temp = f[0][slots]
     tau = thresholds(x, temp, i[0][slots], f[1][slots], f[2][slots])
     inv_t = torch.where(temp == 0, 0.0, 1.0 / torch.where(temp == 0, 1.0, temp))
@@ -344,8 +361,10 @@ def race_cpu(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, 
 
 def sample_cpu(x, slots, f, i, steps, counts, cand_x=None, cand_i=None, fallback=None, want_tau=True,
                kinds=None):
-    """`sample_ref`'s answers for the CPU's engine, with less work (`thresholds_cpu`, `race_cpu`)."""
-    return _sample_torch(x, slots, f, i, steps, counts, thresholds_cpu, race_cpu)
+    """`sample_ref`'s answers for the CPU's engine, with less work (`penalties_cpu`, `thresholds_cpu`, `race_cpu`)."""
+    cpu = counts is not None and counts.device.type == "cpu" and x.dtype == torch.float32
+    return _sample_torch(x, slots, f, i, steps, counts, thresholds_cpu, race_cpu,
+                         penalties_cpu if cpu else penalties_ref)
 
 
 # --- the fused kernel ---------------------------------------------------------------------------

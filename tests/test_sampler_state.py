@@ -344,18 +344,21 @@ def test_cpu_penalties_are_the_references_bit_for_bit():
     assert not torch.equal(ref, x)  # (the penalties changed something)
 
 
-def test_cpu_top_p_rows_sort_only_the_tokens_above_a_cutoff(monkeypatch):
-    """`thresholds_cpu`'s top-p rows without top-k sort only the tokens above the first cutoff whose weight
-    reaches top_p (peaked and middling rows, ties at the nucleus's edge, min_p's cut reached first): the
-    reference's thresholds and tokens; a flat row (more than `NUCLEUS_MAX` candidates) and the top-k rows take
-    the sort of the largest logits."""
+def test_cpu_thresholds_sort_only_the_tokens_above_a_cutoff(monkeypatch):
+    """`thresholds_cpu` sorts only the tokens above the first cutoff that holds a row's k largest or, without
+    top-k, its nucleus (peaked rows, rows past two cutoffs, ties at the nucleus's edge and at the k-th value,
+    min_p's cut reached before k tokens or the nucleus): the reference's thresholds and tokens; only a flat row
+    (more than `NUCLEUS_MAX` candidates) sorts the largest logits."""
     rows = [(0.8, 0, 0.9, 0.0), (1.0, 0, 0.5, 0.0), (1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.0, 0, 0.99, 0.2),
-            (1.0, 20, 0.9, 0.0), (1.2, 0, 0.8, 0.0), (0.0, 0, 1.0, 0.0)]
-    x, slots, f, i, steps, counts = _kernel_case(rows, 20000, slots=12, seed=13)
+            (1.0, 20, 0.9, 0.0), (1.2, 0, 0.8, 0.0), (0.0, 0, 1.0, 0.0), (0.9, 30, 1.0, 0.0), (1.0, 5, 0.9, 0.0),
+            (1.0, 3000, 0.95, 0.3), (0.7, 40, 0.95, 0.0)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, 20000, slots=16, seed=13)
     x[1] *= 0.8  # rows 0 and 1: their nucleus past the first two cutoffs (3,786 candidates at the third)
     x[2] *= 0.01  # flat: thousands of candidates at every cutoff
     x[3, 100:140] = x[3].max() + 1  # 40 tokens tie at the top: top-p 0.5 keeps them all
     x[6, 5000] = x[6].max() + 30  # one token holds nearly all the weight
+    x[9, 200:230] = x[9].max() - 1  # 30 tokens tie at the 5th value: top-k 5 keeps them all, top-p weighs them
+    x[11] *= 0.4  # top-k 40 past the first cutoffs
     sent = []
     real = K._thresholds_topk
     monkeypatch.setattr(K, "_thresholds_topk", lambda x, *a: sent.append(x.shape[0]) or real(x, *a))
@@ -365,8 +368,9 @@ def test_cpu_top_p_rows_sort_only_the_tokens_above_a_cutoff(monkeypatch):
         ref_ids, ref_tau = K.sample_ref(x.clone(), slots, f, i, st, None)
         assert ids.tolist() == ref_ids.tolist(), step
         assert torch.allclose(tau, ref_tau, atol=1e-6, rtol=0) and torch.equal(tau.isinf(), ref_tau.isinf())
-    assert sent == [2, 2, 2]  # (the flat row and the top-k row)
+    assert sent == [1, 1, 1]  # (the flat row)
     assert (ref_tau[3] == x[3].max()).item() and (x[3] >= ref_tau[3]).sum() == 40
+    assert (x[9] >= ref_tau[9]).sum() >= 30  # (all the ties at the 5th value)
 
 
 def test_cpu_sampling_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):

@@ -226,25 +226,27 @@ NUCLEUS_MAX = 4096  # candidates it sorts at most
 
 def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> torch.Tensor:
-    """`thresholds_ref`'s thresholds with less work. A top-p row without top-k sorts only the tokens above the
-    first cutoff below its max (`NUCLEUS_CUTS`, found by numpy) whose weight reaches top_p of what min_p kept
-    (a trained model's nucleus is a few tokens); the other rows (and a flat one) sort the largest logits
+    """`thresholds_ref`'s thresholds with less work. A top-k or top-p row sorts only the tokens above the first
+    cutoff below its max (`NUCLEUS_CUTS`, found by numpy) that holds its k largest, or whose weight reaches
+    top_p of what min_p kept (a trained model's nucleus is a few tokens); a flat row sorts the largest logits
     (`torch.topk`, `_thresholds_topk`)."""
     ninf, greedy, inv_t, m, tau, uses_k, uses_p = _filters(x, temp, top_k, top_p, min_p)
-    if not bool((uses_k | uses_p).any()):
+    filters = (uses_k | uses_p).tolist()
+    if not any(filters):
         return torch.where(greedy, ninf, tau)
-    fast = (uses_p & ~uses_k).tolist() if x.dtype == torch.float32 else [False] * x.shape[0]
-    if not any(fast):
+    if x.dtype != torch.float32:
         return _thresholds_topk(x, temp, top_k, top_p, min_p)
     out = torch.where(greedy, ninf, tau)
     rest = []
-    xn, mn, taun, tn = x.numpy(), m.tolist(), tau.tolist(), temp.tolist()
-    for r, (f, k_or_p) in enumerate(zip(fast, (uses_k | uses_p).tolist())):
-        t = _nucleus_cut(x[r], xn[r], mn[r], inv_t[r], tn[r], taun[r], top_p[r]) if f else None
-        if t is not None:
-            out[r] = t
-        elif k_or_p:
+    xn, mn, taun, tn, kn = x.numpy(), m.tolist(), tau.tolist(), temp.tolist(), top_k.tolist()
+    for r, f in enumerate(filters):
+        if not f:
+            continue
+        t = _nucleus_cut(x[r], xn[r], mn[r], inv_t[r], tn[r], taun[r], top_p[r], kn[r] if uses_k[r] else 0)
+        if t is None:
             rest.append(r)
+        else:
+            out[r] = t
     if rest:
         rt = torch.tensor(rest)
         out[rt] = _thresholds_topk(x[rt], temp[rt], top_k[rt], top_p[rt], min_p[rt])
@@ -252,23 +254,36 @@ def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
 
 
 def _nucleus_cut(x: torch.Tensor, xn: np.ndarray, m: float, inv_t: torch.Tensor, temp: float, tau: float,
-                 top_p: torch.Tensor) -> Optional[torch.Tensor]:
-    """One top-p row's threshold (over min_p's ``tau``) from the tokens above a cutoff whose weight reaches
-    top_p of the total, sorted as `thresholds_ref` sorts the row; None when no cutoff of `NUCLEUS_CUTS` holds
-    the nucleus within `NUCLEUS_MAX` tokens."""
-    w_row = torch.exp((x - m) * inv_t)
-    target = top_p * (w_row.sum() if tau == float("-inf") else torch.where(x >= tau, w_row, 0.0).sum())
+                 top_p: torch.Tensor, top_k: int) -> Optional[torch.Tensor]:
+    """One row's threshold (over min_p's ``tau``) from the tokens above a cutoff, sorted as `thresholds_ref`
+    sorts the row: with top-k, the first cutoff above which lie at least top_k tokens (the k-th value, its
+    ties, and all that top-p then weighs); without, the first whose weight reaches top_p of the row's. None
+    when no cutoff of `NUCLEUS_CUTS` does so within `NUCLEUS_MAX` tokens."""
+    if not top_k:
+        w_row = torch.exp((x - m) * inv_t)
+        target = top_p * (w_row.sum() if tau == float("-inf") else torch.where(x >= tau, w_row, 0.0).sum())
     for d in NUCLEUS_CUTS:
         c = max(m - d * temp, tau)
         cand = np.flatnonzero(xn >= c)
         if len(cand) > NUCLEUS_MAX:
             return None
+        if top_k and len(cand) < top_k and c > tau:
+            continue  # (fewer than k above it: the k-th value lies lower)
         srt = x[torch.from_numpy(cand)].sort(descending=True).values
-        w = torch.exp((srt - m) * inv_t)
+        t = torch.tensor(tau)
+        if top_k:  # (c at min_p's cut with fewer than k: top-k keeps everything min_p kept)
+            if len(cand) >= top_k:
+                t = torch.maximum(t, srt[top_k - 1])
+            if not top_p < 1:
+                return t
+            w = torch.where(srt >= t, torch.exp((srt - m) * inv_t), 0.0)
+            target = top_p * w.sum()
+        else:
+            w = torch.exp((srt - m) * inv_t)
         cum = w.cumsum(0)
-        if bool(cum[-1] >= target) or c <= tau:  # (the nucleus ends among them: ties of its last value too)
-            n_keep = int(((cum - w) < target).sum())
-            return torch.maximum(srt[max(n_keep, 1) - 1], torch.tensor(tau))
+        if top_k or bool(cum[-1] >= target) or c <= tau:  # (the nucleus ends among them: ties of its last value too)
+            n_keep = int(((srt >= t) & ((cum - w) < target)).sum())
+            return torch.maximum(srt[max(n_keep, 1) - 1], t)
     return None
 
 

@@ -216,11 +216,10 @@ def _sample_torch(x, slots, f, i, steps, counts, thresholds, race, penalties=pen
 
 
 # --- the CPU's sampler: the reference's answers with less work ----------------------------------
-FIRST_TOP = 256  # the largest logits `thresholds_cpu` sorts first (8 times more while the nucleus reaches past)
+FIRST_TOP = 256  # the largest logits `_thresholds_topk` sorts first (8 times more while the nucleus reaches past),
+# and the most kept tokens `race_cpu` races over alone
 GUMBEL_MAX = 16.7  # above the largest noise the hash gives: -log(-log(1 - 2**-24)) = 16.6355
-
-
-NUCLEUS_CUTS = (2.0, 4.0, 8.0, 16.0)  # `thresholds_cpu`'s cutoffs for top-p rows, tempered distances below the max
+NUCLEUS_CUTS = (2.0, 4.0, 8.0, 16.0)  # `thresholds_cpu`'s cutoffs, tempered distances below a row's max
 NUCLEUS_MAX = 4096  # candidates it sorts at most
 
 
@@ -230,12 +229,13 @@ def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
     cutoff below its max (`NUCLEUS_CUTS`, found by numpy) that holds its k largest, or whose weight reaches
     top_p of what min_p kept (a trained model's nucleus is a few tokens); a flat row sorts the largest logits
     (`torch.topk`, `_thresholds_topk`)."""
-    ninf, greedy, inv_t, m, tau, uses_k, uses_p = _filters(x, temp, top_k, top_p, min_p)
+    filt = _filters(x, temp, top_k, top_p, min_p)
+    ninf, greedy, inv_t, m, tau, uses_k, uses_p = filt
     filters = (uses_k | uses_p).tolist()
     if not any(filters):
         return torch.where(greedy, ninf, tau)
-    if x.dtype != torch.float32:
-        return _thresholds_topk(x, temp, top_k, top_p, min_p)
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return _thresholds_topk(x, top_k, top_p, filt)
     out = torch.where(greedy, ninf, tau)
     rest = []
     xn, mn, taun, tn, kn = x.numpy(), m.tolist(), tau.tolist(), temp.tolist(), top_k.tolist()
@@ -249,7 +249,7 @@ def thresholds_cpu(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top
             out[r] = t
     if rest:
         rt = torch.tensor(rest)
-        out[rt] = _thresholds_topk(x[rt], temp[rt], top_k[rt], top_p[rt], min_p[rt])
+        out[rt] = _thresholds_topk(x[rt], top_k[rt], top_p[rt], tuple(t[rt] for t in filt))
     return out
 
 
@@ -262,6 +262,7 @@ def _nucleus_cut(x: torch.Tensor, xn: np.ndarray, m: float, inv_t: torch.Tensor,
     if not top_k:
         w_row = torch.exp((x - m) * inv_t)
         target = top_p * (w_row.sum() if tau == float("-inf") else torch.where(x >= tau, w_row, 0.0).sum())
+    tau_t = torch.tensor(tau)
     for d in NUCLEUS_CUTS:
         c = max(m - d * temp, tau)
         cand = np.flatnonzero(xn >= c)
@@ -270,7 +271,7 @@ def _nucleus_cut(x: torch.Tensor, xn: np.ndarray, m: float, inv_t: torch.Tensor,
         if top_k and len(cand) < top_k and c > tau:
             continue  # (fewer than k above it: the k-th value lies lower)
         srt = x[torch.from_numpy(cand)].sort(descending=True).values
-        t = torch.tensor(tau)
+        t = tau_t
         if top_k:  # (c at min_p's cut with fewer than k: top-k keeps everything min_p kept)
             if len(cand) >= top_k:
                 t = torch.maximum(t, srt[top_k - 1])
@@ -287,16 +288,13 @@ def _nucleus_cut(x: torch.Tensor, xn: np.ndarray, m: float, inv_t: torch.Tensor,
     return None
 
 
-def _thresholds_topk(x: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                     min_p: torch.Tensor) -> torch.Tensor:
+def _thresholds_topk(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, filt: tuple) -> torch.Tensor:
     """`thresholds_ref`'s thresholds from the largest logits only (`torch.topk`, sorted) instead of a sort of
     every row: the top-k value and the top-p cut lie among the largest ones unless the nucleus reaches past
     them (then 8 times more, up to the whole row). The total weight top-p divides is what min_p and top-k kept
-    of the whole row."""
+    of the whole row. ``filt``: the rows' `_filters`, some of which filter."""
     V = x.shape[1]
-    ninf, greedy, inv_t, m, tau, uses_k, uses_p = _filters(x, temp, top_k, top_p, min_p)
-    if not bool((uses_k | uses_p).any()):
-        return torch.where(greedy, ninf, tau)
+    ninf, greedy, inv_t, m, tau, uses_k, uses_p = filt
     # one more than the largest top_k: the last one says whether ties of the k-th value go on past them
     k = int(top_k[uses_k].max()) + 1 if bool(uses_k.any()) else 0
     k = min(V, max(FIRST_TOP, k) if bool((uses_p & ~uses_k).any()) else k)  # (top-p over top-k: k is enough)
@@ -332,7 +330,7 @@ def race_cpu(x: torch.Tensor, tokens, slots: torch.Tensor, inv_t: torch.Tensor, 
     SmolLM2's at temperature 0.8, top-p 0.95 held a median of 7) races over them alone, found by numpy:
     torch's vocabulary-wide operations on one thread cost 20-150 us each, numpy's select in ~8."""
     B, N = x.shape
-    if tokens is None and x.dtype == torch.float32:
+    if tokens is None and x.dtype == torch.float32 and x.device.type == "cpu":
         xn, taun, sampled = x.numpy(), tau.numpy(), (inv_t != 0).tolist()
         ids = []
         for r in range(B):

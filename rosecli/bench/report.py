@@ -87,7 +87,7 @@ def sampling_line(params, dummy_weights: bool) -> str:
     """How the benchmark's requests pick tokens: ``greedy``, or the sampling parameters that are set. With dummy
     weights and top-p, a note: random weights give near-uniform logits, so top-p keeps most of the vocabulary (a
     trained model's nucleus is tens to hundreds of tokens), and what the sampler does for a row depends on it."""
-    if params.temperature == 0 or params.top_k == 1:
+    if params.greedy:
         return "greedy"
     parts = [f"temperature {params.temperature:g}"]
     for name, label, off in (("top_p", "top-p", 1.0), ("top_k", "top-k", 0), ("min_p", "min-p", 0.0),

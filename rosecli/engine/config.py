@@ -258,6 +258,11 @@ class SamplingParams:
     # structured output: a rosecli.engine.structured.GrammarSpec the output must match (None: free)
     structured: Optional[object] = None
 
+    @property
+    def greedy(self) -> bool:
+        """The argmax picks the token: temperature 0 (or below 1e-5), or top_k 1."""
+        return self.temperature == 0.0 or self.top_k == 1
+
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_INT32)
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,  # NaN fails too

@@ -136,7 +136,7 @@ def _plain_greedy(p: SamplingParams, holds_back: bool) -> bool:
     """The model's argmax is the answer: greedy, nothing that changes the logits (``min_tokens``
     changes them only when there are stop ids to hold back: not with ``ignore_eos`` and no
     ``stop_token_ids``, which is how benchmarks fix output lengths)."""
-    return ((p.temperature == 0.0 or p.top_k == 1) and not p.logit_bias and not p.allowed_token_ids
+    return (p.greedy and not p.logit_bias and not p.allowed_token_ids
             and not (p.min_tokens and holds_back)
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 

@@ -87,8 +87,8 @@ def test_decode_step_allocates_nothing(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 def test_sampler_graphs_sample_what_the_eager_sampler_samples(monkeypatch, overlap):
-    """Decode sampling replayed from captured graphs gives the same tokens as the sampler run eagerly,
-    for seeded requests of every kind (top-k/top-p, penalties + min_p, logit_bias + min_tokens,
+    """Sampling replayed from captured graphs (a decode step's, and a prefill graph's first tokens) gives the
+    same tokens as the sampler run eagerly, for seeded requests of every kind (top-k/top-p, penalties + min_p, logit_bias + min_tokens,
     greedy) joining and leaving, so batch sizes and sampler variants change during the run."""
     import rosecli.engine.runner as runner_mod
 
@@ -103,6 +103,7 @@ def test_sampler_graphs_sample_what_the_eager_sampler_samples(monkeypatch, overl
     outs, captured = {}, {}
     for graphs_for_sampler in (False, True):
         monkeypatch.setattr(runner_mod, "MAX_SAMPLER_GRAPHS", 256 if graphs_for_sampler else 0)
+        monkeypatch.setattr(runner_mod, "MAX_PREFILL_SAMPLER_GRAPHS", 64 if graphs_for_sampler else 0)
         sched = _scheduler("llama", True, overlap=overlap)
         ids, step = [], 0
         while len(ids) < len(prompts) or sched.has_unfinished():
@@ -113,10 +114,13 @@ def test_sampler_graphs_sample_what_the_eager_sampler_samples(monkeypatch, overl
             sched.step()
             step += 1
         outs[graphs_for_sampler] = [sched.get(i).output_token_ids for i in ids]
-        captured[graphs_for_sampler] = [v for v in sched.runner._sampler_graphs.values() if v is not None]
+        r = sched.runner
+        captured[graphs_for_sampler] = [[v for v in d.values() if v is not None]
+                                        for d in (r._sampler_graphs, r._prefill_sampler_graphs)]
         assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
         sched.runner.close()
-    assert not captured[False] and len(captured[True]) > 3  # the graphs were made and replayed
+    # the graphs were made and replayed: decode's, and the first tokens' after prefill graphs
+    assert captured[False] == [[], []] and len(captured[True][0]) > 3 and captured[True][1]
     assert outs[True] == outs[False]
 
 

@@ -152,6 +152,7 @@ class _SamplerGraph:
 
 MASK_COPY_ASIDE: Optional[bool] = None  # a grammar bitmask's copy on a side stream: None = when the driver does it
 MAX_SAMPLER_GRAPHS = 256  # (batch, variant) pairs captured at most; beyond, the sampler runs eagerly
+MAX_PREFILL_SAMPLER_GRAPHS = 64  # the same after prefill graphs, apart (their many sizes may not crowd decode's out)
 GEMM_WARMUP_ROWS = 256  # start-up runs each prefill GEMM at every row count up to this (then every 64th)
 
 
@@ -199,6 +200,7 @@ class ModelRunner:
         # decode sampling replays a graph per (logits buffer, batch, sampler variant), captured the
         # first time that key is met (after running it eagerly once, so its kernels are loaded)
         self._sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}
+        self._prefill_sampler_graphs: dict[tuple, Optional[_SamplerGraph]] = {}  # (the same after prefill graphs)
         # (batch, host bitmask index, copy aside, flip) -> a masked-argmax graph and its ids (`_masked_greedy_ids`)
         self._masked_replays: dict[tuple[int, int, bool, int], tuple] = {}
         self._ids_on_host = False  # the step's ids already queued for the host (`_fetch` skips its copy)
@@ -776,15 +778,17 @@ class ModelRunner:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                 flip: int, static: bool = False, last_rows: Optional[dict] = None,
-                raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
+                raw: Optional[torch.Tensor] = None, staged: bool = False, static_logits: bool = False) -> torch.Tensor:
         """The batch's next ids on the device (every request holds its sampling slot: the callers
         `_acquire` it before its first sampled token); while every admitted request is plain greedy, the
         model's argmax (computed inside the decode graph) is the answer and the sampler is not called.
         ``static``: ``logits`` is a decode graph's output buffer, so the sampler's kernels can be a graph
         of their own. ``raw``: the decode step's logits GEMM output (`_DecodeGraph`), where it kept one. ``staged``:
-        a decode step, whose rows' sampling slots went to the device with its inputs."""
+        a decode step, whose rows' sampling slots went to the device with its inputs. ``static_logits``: ``logits``
+        is another graph's output buffer (a prefill graph's): the sampler's kernels, not a grammar's argmax, can be a
+        graph."""
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
-        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw, staged)
+        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw, staged, static_logits)
         if lp is not None:
             rows, ks, rows_t, lp = lp
             self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
@@ -806,7 +810,8 @@ class ModelRunner:
 
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                     flip: int, static: bool, last_rows: Optional[dict] = None,
-                    raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
+                    raw: Optional[torch.Tensor] = None, staged: bool = False,
+                    static_logits: bool = False) -> torch.Tensor:
         self._published = False
         if not self._special:
             # greedy rows under a grammar: their masked logits' argmax; the other rows' masks are
@@ -831,17 +836,19 @@ class ModelRunner:
         st.flush()
         # a decode step's ids go to the next step's token pool and the host from the sampler's last kernel
         publish = staged and self._stage_kernel
-        if not (static and self.use_graphs):
+        if not ((static or static_logits) and self.use_graphs):
             return self._sampled(st.sample(logits, d).token_ids, publish)
+        graphs, cap = ((self._prefill_sampler_graphs, MAX_PREFILL_SAMPLER_GRAPHS) if static_logits
+                       else (self._sampler_graphs, MAX_SAMPLER_GRAPHS))
         key = (logits.data_ptr(), batch, st.variant())
-        g = self._sampler_graphs.get(key, False)
+        g = graphs.get(key, False)
         if g:
             g.graph.replay()
             self._published = publish
             return g.ids
         ids = self._sampled(st.sample(logits, d).token_ids, publish)  # also loads the kernels for the capture
-        if g is False and len(self._sampler_graphs) < MAX_SAMPLER_GRAPHS:
-            self._sampler_graphs[key] = self._capture_sampler(logits, d, publish)
+        if g is False and len(graphs) < cap:
+            graphs[key] = self._capture_sampler(logits, d, publish)
         return ids
 
     def _sampled(self, ids: torch.Tensor, publish: bool) -> torch.Tensor:
@@ -933,7 +940,7 @@ class ModelRunner:
                 ids = fn()
             return _SamplerGraph(graph, ids)
         except Exception as e:  # noqa: BLE001 - eager sampling is always correct
-            if not any(v is None for v in self._sampler_graphs.values()):
+            if not any(v is None for v in (*self._sampler_graphs.values(), *self._prefill_sampler_graphs.values())):
                 self.log(f"sampler graph capture failed ({type(e).__name__}: {e}); sampling runs eagerly")
             return None
 
@@ -1055,7 +1062,8 @@ class ModelRunner:
             for s in picked:
                 if s.request_id not in self._slots:
                     self._acquire(s)
-            ids = self._sample(picked, logits, None, flip)
+            # a prefill graph's logits are its own buffer: the sampler's kernels replay as a graph of their own
+            ids = self._sample(picked, logits, None, flip, static_logits=size is not None)
         launch = DecodeLaunch(picked, *self._fetch(ids, len(picked), flip))
         sampled = self.collect(launch)
         self.prefill_logprobs = launch.logprobs or {}
@@ -1111,6 +1119,7 @@ class ModelRunner:
         self.graphs.clear()
         self.prefill_graphs = None
         self._sampler_graphs.clear()
+        self._prefill_sampler_graphs.clear()
         self._masked_replays.clear()
         for attn in self.model.attention_layers():
             attn.k_cache = attn.v_cache = None

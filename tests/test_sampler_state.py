@@ -203,6 +203,19 @@ def test_sample_kernel_matches_reference(vocab, penalties):
     _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=256)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sample_kernel_matches_reference_on_half_precision_logits(dtype):
+    """Logits a float16 or bfloat16 GEMM made (every engine on a GPU): few distinct values, so ties at the
+    k-th value and at the nucleus's edge everywhere; the searches stop once their bracket can hold only one
+    value (`_granularity`), and still give the reference's tokens and thresholds. A granularity taken too
+    coarse (a bracket stopped with two values in it) gives another threshold here."""
+    rows = [r for r in ROWS if r[1] > 0 or r[2] < 1] * 2
+    x, slots, f, i, steps, counts = _kernel_case(rows, 5000, scale=1.0, slots=16, seed=int(dtype.itemsize) + 40)
+    x = x.to(dtype).float()
+    x[1] = (x[1] * 0.05).to(dtype).float()  # flat: hundreds of tokens on each of a few values
+    _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=2 * K.BLOCK)
+
+
 @pytest.mark.parametrize("kind", ["temperature", "top-k", "top-p", "greedy"])
 def test_sample_kernel_batches_of_one_kind(kind):
     """A batch of one kind of row (W1 sampled, S1, temperature alone) launches only the passes its rows need

@@ -424,16 +424,39 @@ def _count_mass(ptr, n, xt, wt, c, m, inv_t, WITH_MASS: tl.constexpr, TILE: tl.c
 
 
 @triton.jit
-def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, BY_MASS: tl.constexpr, TILE: tl.constexpr,
+def _granularity(ptr, n, xt, TILE: tl.constexpr, BLOCK: tl.constexpr):
+    """The largest power of two G dividing the mantissa bits of every x = ptr[:n] (or the tile xt): 2**13 for
+    logits a float16 GEMM made, 2**16 for bfloat16's, 1 or 2 for float32's. The keys (`_key_of`) of x are then
+    multiples of G, or for negative x one less than a multiple, so a bracket of keys at most G wide holds at
+    most one value of x (-0 and +0 alike)."""
+    if TILE:
+        mant = (xt.to(tl.int32, bitcast=True) & 0x7FFFFF) | 0x800000
+        g = tl.min(tl.where(tl.arange(0, BLOCK) < n, mant & -mant, 0x800000), 0)
+    else:
+        acc = tl.full([BLOCK], 0x800000, tl.int32)
+        for start in range(0, n, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            mant = (tl.load(ptr + offs, mask=mask, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFF) | 0x800000
+            acc = tl.minimum(acc, tl.where(mask, mant & -mant, 0x800000))
+        g = tl.min(acc, 0)
+    return g.to(tl.int64)
+
+
+@triton.jit
+def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, gran, BY_MASS: tl.constexpr, TILE: tl.constexpr,
                  BLOCK: tl.constexpr):
     """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target);
     lo is assumed to qualify and hi not. Bisection on the bit pattern until one value of x is left in
-    [lo, hi): the answer is that value, the smallest x >= lo."""
+    [lo, hi): the answer is that value, the smallest x >= lo. ``gran``: `_granularity` of x (1 always
+    does): a bracket that narrow holds one value, so a tie stops the search there instead of ~13 (float16
+    logits) or ~16 (bfloat16) halvings later (ties are common in half-precision logits, and a row's
+    worst search sets the kernel's time)."""
     lo_k = _key_of(lo)
     hi_k = _key_of(hi)
     n_lo, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
     n_hi, _ = _count_mass(ptr, n, xt, wt, hi, m, inv_t, False, TILE, BLOCK)
-    while (hi_k - lo_k > 1) & (n_lo - n_hi > 1):
+    while (hi_k - lo_k > gran) & (n_lo - n_hi > 1):
         mid = lo_k + (hi_k - lo_k) // 2
         cnt, mass = _count_mass(ptr, n, xt, wt, _float_of(mid), m, inv_t, BY_MASS, TILE, BLOCK)
         if BY_MASS:
@@ -522,15 +545,15 @@ def _pivot_counts(xrow, V, c, m, inv_t, tau_minp, WITH_MASS: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, TILE: tl.constexpr,
+def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, TILE: tl.constexpr,
                BLOCK: tl.constexpr):
     """Exact top-k / top-p threshold over x = ptr[:n] (or the tile xt), which holds every token >= lo;
-    lo cannot exclude a kept token, hi is above the answer."""
+    lo cannot exclude a kept token, hi is above the answer; gran: `_largest_cut`'s."""
     t = tau_minp
     if top_k > 0:
         cnt, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
         if cnt >= top_k:
-            t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, lo, hi, top_k, 0.0, m, inv_t, False, TILE, BLOCK))
+            t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, lo, hi, top_k, 0.0, m, inv_t, gran, False, TILE, BLOCK))
     if top_p < 1.0:
         if top_k > 0:  # top-p over what top-k kept: all of it is here
             _, z = _count_mass(ptr, n, xt, wt, t, m, inv_t, True, TILE, BLOCK)
@@ -538,7 +561,7 @@ def _threshold(ptr, n, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, TI
         else:  # over what min_p kept, counted on the whole row
             z = z_a
             hi_p = hi
-        t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, tl.maximum(t, lo), hi_p, 0, top_p * z, m, inv_t, True,
+        t = tl.maximum(t, _largest_cut(ptr, n, xt, wt, tl.maximum(t, lo), hi_p, 0, top_p * z, m, inv_t, gran, True,
                                        TILE, BLOCK))
     return t
 
@@ -597,13 +620,16 @@ def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 
         mask = lane < n_c
         xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
         wt = tl.exp((xt - m) * inv_t)
-        tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, True, BLOCK)
+        gran = _granularity(cx, n_c, xt, True, BLOCK)
+        tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, True, BLOCK)
         score = tl.where(mask & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=mask, other=0), inv_t, key,
                                                           key2), float("-inf"))
         res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
     else:
         dummy = tl.zeros([BLOCK], tl.float32)
-        tau = _threshold(cx, n_c, dummy, dummy, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False, BLOCK)
+        gran = _granularity(cx, n_c, dummy, False, BLOCK)
+        tau = _threshold(cx, n_c, dummy, dummy, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, False,
+                         BLOCK)
         _, res = _race(cx, n_c, 0, tau, inv_t, key, key2, BLOCK, ci, True)
     return tau, res
 
@@ -932,8 +958,8 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
                                             BLOCK)
                 else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
                     dummy = tl.zeros([BLOCK], tl.float32)
-                    tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, False,
-                                     BLOCK)
+                    tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 1, False,
+                                     BLOCK)  # (rare: not worth a pass for the granularity)
                     _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
         else:
             tau = tau_minp

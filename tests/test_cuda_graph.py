@@ -88,8 +88,9 @@ def test_decode_step_allocates_nothing(monkeypatch):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_sampler_graphs_sample_what_the_eager_sampler_samples(monkeypatch, overlap):
     """Sampling replayed from captured graphs (a decode step's, and a prefill graph's first tokens) gives the
-    same tokens as the sampler run eagerly, for seeded requests of every kind (top-k/top-p, penalties + min_p, logit_bias + min_tokens,
-    greedy) joining and leaving, so batch sizes and sampler variants change during the run."""
+    same tokens as the sampler run eagerly, for seeded requests of every kind (top-k/top-p, penalties + min_p,
+    logit_bias + min_tokens, greedy) joining and leaving, so batch sizes and sampler variants change during the
+    run."""
     import rosecli.engine.runner as runner_mod
 
     g = torch.Generator().manual_seed(5)

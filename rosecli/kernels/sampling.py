@@ -527,21 +527,24 @@ def _race(ptr, n, base, tau, inv_t, key, key2, BLOCK: tl.constexpr, id_ptr=None,
 def _pivot_counts(xrow, V, c, m, inv_t, tau_minp, WITH_MASS: tl.constexpr, BLOCK: tl.constexpr,
                   P: tl.constexpr):
     """For each of the P cutoffs c: how many x >= c and (WITH_MASS) their weight; and the weight of
-    x >= tau_minp (what min_p kept)."""
-    acc_c = tl.zeros([BLOCK, P], tl.int32)
-    acc_m = tl.zeros([BLOCK, P], tl.float32)
+    x >= tau_minp (what min_p kept). The accumulators are [P, BLOCK], tokens on the fast axis: laid out so,
+    each thread holds every cutoff's count for the tokens it loaded, and x goes from its load to the compares
+    in registers ([BLOCK, P] put the cutoffs across a warp's threads, and each tile's x through shared
+    memory to them: two barriers a tile)."""
+    acc_c = tl.zeros([P, BLOCK], tl.int32)
+    acc_m = tl.zeros([P, BLOCK], tl.float32)
     acc_z = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < V
         x = tl.load(xrow + offs, mask=mask, other=float("-inf"))
-        ge = (x[:, None] >= c[None, :]) & mask[:, None]
+        ge = (x[None, :] >= c[:, None]) & mask[None, :]
         acc_c += ge.to(tl.int32)
         if WITH_MASS:
             w = tl.exp((x - m) * inv_t)
-            acc_m += tl.where(ge, w[:, None], 0.0)
+            acc_m += tl.where(ge, w[None, :], 0.0)
             acc_z += tl.where(mask & (x >= tau_minp), w, 0.0)
-    return tl.sum(acc_c, 0), tl.sum(acc_m, 0), tl.sum(acc_z, 0)
+    return tl.sum(acc_c, 1), tl.sum(acc_m, 1), tl.sum(acc_z, 0)
 
 
 @triton.jit

@@ -778,17 +778,16 @@ class ModelRunner:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                 flip: int, static: bool = False, last_rows: Optional[dict] = None,
-                raw: Optional[torch.Tensor] = None, staged: bool = False, static_logits: bool = False) -> torch.Tensor:
+                raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
         """The batch's next ids on the device (every request holds its sampling slot: the callers
         `_acquire` it before its first sampled token); while every admitted request is plain greedy, the
         model's argmax (computed inside the decode graph) is the answer and the sampler is not called.
-        ``static``: ``logits`` is a decode graph's output buffer, so the sampler's kernels can be a graph
-        of their own. ``raw``: the decode step's logits GEMM output (`_DecodeGraph`), where it kept one. ``staged``:
-        a decode step, whose rows' sampling slots went to the device with its inputs. ``static_logits``: ``logits``
-        is another graph's output buffer (a prefill graph's): the sampler's kernels, not a grammar's argmax, can be a
-        graph."""
+        ``static``: ``logits`` is a graph's output buffer (a decode graph's, or with ``staged`` false a prefill
+        graph's), so the sampler's kernels can be a graph of their own. ``raw``: the decode step's logits GEMM output
+        (`_DecodeGraph`), where it kept one. ``staged``: a decode step, whose rows' sampling slots went to the device
+        with its inputs."""
         lp = self._raw_logprobs(seqs, logits) if self._logprob_ids else None
-        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw, staged, static_logits)
+        ids = self._sample_ids(seqs, logits, greedy, flip, static, last_rows, raw, staged)
         if lp is not None:
             rows, ks, rows_t, lp = lp
             self._lp_step = (rows, ks, pick(lp, ids if rows_t is None else ids.index_select(0, rows_t), max(ks)))
@@ -810,15 +809,15 @@ class ModelRunner:
 
     def _sample_ids(self, seqs: list[Sequence], logits: torch.Tensor, greedy: Optional[torch.Tensor],
                     flip: int, static: bool, last_rows: Optional[dict] = None,
-                    raw: Optional[torch.Tensor] = None, staged: bool = False,
-                    static_logits: bool = False) -> torch.Tensor:
+                    raw: Optional[torch.Tensor] = None, staged: bool = False) -> torch.Tensor:
         self._published = False
         if not self._special:
             # greedy rows under a grammar: their masked logits' argmax; the other rows' masks are
             # all ones, so their argmax is the model's (no sampler kernels for anyone)
             if self._masked_greedy and self.structured.fill(
                     seqs, self._pending_reader(last_rows, flip ^ 1), PENDING) is not None:
-                return self._masked_greedy_ids(logits, static, flip, raw if self._raw_for_grammar else None)
+                # (its graphs replay on the decode graphs' buffers: a decode step's only)
+                return self._masked_greedy_ids(logits, static and staged, flip, raw if self._raw_for_grammar else None)
             return greedy if greedy is not None else logits.argmax(dim=-1)
         slots = self._slots
         st = self.sampler
@@ -836,10 +835,10 @@ class ModelRunner:
         st.flush()
         # a decode step's ids go to the next step's token pool and the host from the sampler's last kernel
         publish = staged and self._stage_kernel
-        if not ((static or static_logits) and self.use_graphs):
+        if not (static and self.use_graphs):
             return self._sampled(st.sample(logits, d).token_ids, publish)
-        graphs, cap = ((self._prefill_sampler_graphs, MAX_PREFILL_SAMPLER_GRAPHS) if static_logits
-                       else (self._sampler_graphs, MAX_SAMPLER_GRAPHS))
+        graphs, cap = ((self._sampler_graphs, MAX_SAMPLER_GRAPHS) if staged
+                       else (self._prefill_sampler_graphs, MAX_PREFILL_SAMPLER_GRAPHS))
         key = (logits.data_ptr(), batch, st.variant())
         g = graphs.get(key, False)
         if g:
@@ -1063,7 +1062,7 @@ class ModelRunner:
                 if s.request_id not in self._slots:
                     self._acquire(s)
             # a prefill graph's logits are its own buffer: the sampler's kernels replay as a graph of their own
-            ids = self._sample(picked, logits, None, flip, static_logits=size is not None)
+            ids = self._sample(picked, logits, None, flip, static=size is not None)
         launch = DecodeLaunch(picked, *self._fetch(ids, len(picked), flip))
         sampled = self.collect(launch)
         self.prefill_logprobs = launch.logprobs or {}

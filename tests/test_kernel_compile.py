@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
         build(K._pivot_kernel, dict(common, PB=K.PIVOT_BLOCK, WINNER=winner))
         build(K._compact_kernel, dict(common, BLOCK=K.SPLIT_BLOCK, WINNER=winner))
         build(K._finish_kernel, dict(common, PB=K.PIVOT_BLOCK, BLOCK=K.BLOCK, REFINE=K.REFINE, WINNER=winner,
-                                     TRIES=K.TRIES))
+                                     TRIES=K.TRIES, SMALL=K.FINISH_TILE))
     for stage in range(3):
         build(K._above_kernel, dict(common, BLOCK=K.SPLIT_BLOCK, STAGE=stage))
     print("compiled")

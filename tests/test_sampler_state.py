@@ -216,6 +216,42 @@ def test_sample_kernel_matches_reference_on_half_precision_logits(dtype):
     _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=2 * K.BLOCK)
 
 
+def _first_cut_candidates(x, t, k, p):
+    """How many candidates the first cutoffs give a row (`_first_pivots`, `_choose`; no min_p): the tokens at
+    or above the highest cutoff m - 0.5 * 2**j * t that holds its top-k (or, without top-k, its nucleus)."""
+    m = x.max()
+    w = ((x - m) / t).exp()
+    for j in range(K.PIVOTS - 1):
+        ge = x >= m - 0.5 * 2 ** j * t
+        if (k > 0 and ge.sum() >= k) or (k <= 0 and w[ge].sum() >= p * w.sum()):
+            return int(ge.sum())
+    return x.numel()
+
+
+def test_sample_kernel_narrows_many_candidates_to_a_small_tile():
+    """Rows whose first cutoffs leave hundreds to thousands of candidates (one token far above the rest: the
+    next cutoff's count jumps from a few to thousands) are narrowed by their first filter's search in the
+    candidates' wide tile to at most `FINISH_TILE` tokens, copied to the front of the scratch row, and finished
+    in a small tile: the reference's tokens and thresholds for top-k, top-k with top-p, top-p alone, on float16
+    values (ties), and where more than `FINISH_TILE` tokens stay (a tie at the k-th value, a wide nucleus)."""
+    vocab, cap = 5000, 2 * K.BLOCK
+    rows = [(1.0, 50, 1.0, 0.0), (1.0, 50, 0.9, 0.0), (1.0, 0, 0.05, 0.0), (1.0, 50, 0.95, 0.0),
+            (1.0, 0, 0.5, 0.0), (1.0, 40, 1.0, 0.0), (0.9, 30, 0.8, 0.01)]
+    x, slots, f, i, steps, counts = _kernel_case(rows, vocab, seed=31)
+    g = torch.Generator().manual_seed(32)
+    for r in range(len(rows)):
+        x[r] = torch.randn(vocab, generator=g) * 0.3 - 2.0
+        x[r, 7:17] = 4.75 + 0.25 * torch.rand(10, generator=g)  # 10 tokens within 0.25 of the max ...
+        x[r, 7] = 5.0
+        x[r, 100:1600] = 4.0 + 0.5 * torch.rand(1500, generator=g)  # ... then 1,500 within 1
+    x[3] = x[3].half().float()  # float16 values: a dozen tokens on each
+    x[5, 100:500] = 4.6  # 400 tokens tie at the k-th value
+    x[6, 1600:3000] = 3.5 + torch.rand(1400, generator=g)
+    fit = [_first_cut_candidates(x[r], *rows[r][:3]) for r in range(len(rows))]
+    assert all(K.FINISH_TILE < n <= K.BLOCK for n in fit), fit
+    assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=cap) == 0
+
+
 @pytest.mark.parametrize("kind", ["temperature", "top-k", "top-p", "greedy"])
 def test_sample_kernel_batches_of_one_kind(kind):
     """A batch of one kind of row (W1 sampled, S1, temperature alone) launches only the passes its rows need

@@ -46,6 +46,7 @@ import triton.language as tl
 PROMPT_BIT = 1 << 30  # counts[slot, token]: bit 30 = token in the prompt, low 30 bits = times in the output
 M32 = 0xFFFFFFFF
 BLOCK = 4096  # tile of a pass over a row; up to BLOCK candidates are searched in registers
+FINISH_TILE = 256  # the finishing search's register tile (more candidates are first narrowed to this many)
 SPLIT_BLOCK = 2048  # tile of the passes split over chunks of a row
 PIVOT_BLOCK = 512  # tile of the cutoff-counting pass ([PIVOT_BLOCK, PIVOTS] accumulators)
 PIVOTS = 8
@@ -444,19 +445,16 @@ def _granularity(ptr, n, xt, TILE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, gran, BY_MASS: tl.constexpr, TILE: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target);
-    lo is assumed to qualify and hi not. Bisection on the bit pattern until one value of x is left in
-    [lo, hi): the answer is that value, the smallest x >= lo. ``gran``: `_granularity` of x (1 always
-    does): a bracket that narrow holds one value, so a tie stops the search there instead of ~13 (float16
-    logits) or ~16 (bfloat16) halvings later (ties are common in half-precision logits, and a row's
-    worst search sets the kernel's time)."""
-    lo_k = _key_of(lo)
-    hi_k = _key_of(hi)
-    n_lo, _ = _count_mass(ptr, n, xt, wt, lo, m, inv_t, False, TILE, BLOCK)
-    n_hi, _ = _count_mass(ptr, n, xt, wt, hi, m, inv_t, False, TILE, BLOCK)
-    while (hi_k - lo_k > gran) & (n_lo - n_hi > 1):
+def _bisect(ptr, n, xt, wt, lo_k, hi_k, k, target, m, inv_t, gran, most, BY_MASS: tl.constexpr, TILE: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """Halve the bracket of keys [lo_k, hi_k) (lo qualifies: count(x >= lo) >= k or, BY_MASS, mass(x >= lo) >=
+    target; hi does not) until one value of x is left in it, or at most ``most`` tokens are >= lo (``most`` 0:
+    no such stop). ``gran``: `_granularity` of x (1 always does): a bracket that narrow holds one value, so a
+    tie stops the search there instead of ~13 (float16 logits) or ~16 (bfloat16) halvings later (ties are
+    common in half-precision logits, and a row's worst search sets the kernel's time). -> (lo_k, hi_k, n_lo)."""
+    n_lo, _ = _count_mass(ptr, n, xt, wt, _float_of(lo_k), m, inv_t, False, TILE, BLOCK)
+    n_hi, _ = _count_mass(ptr, n, xt, wt, _float_of(hi_k), m, inv_t, False, TILE, BLOCK)
+    while (hi_k - lo_k > gran) & (n_lo - n_hi > 1) & (n_lo > most):
         mid = lo_k + (hi_k - lo_k) // 2
         cnt, mass = _count_mass(ptr, n, xt, wt, _float_of(mid), m, inv_t, BY_MASS, TILE, BLOCK)
         if BY_MASS:
@@ -467,6 +465,15 @@ def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, gran, BY_MASS: tl.
         hi_k = tl.where(ok, hi_k, mid)
         n_lo = tl.where(ok, cnt, n_lo)
         n_hi = tl.where(ok, n_hi, cnt)
+    return lo_k, hi_k, n_lo
+
+
+@triton.jit
+def _largest_cut(ptr, n, xt, wt, lo, hi, k, target, m, inv_t, gran, BY_MASS: tl.constexpr, TILE: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """The largest float c in [lo, hi) with count(x >= c) >= k (or, BY_MASS, mass(x >= c) >= target);
+    lo is assumed to qualify and hi not (`_bisect`): the smallest x >= lo once one value is left."""
+    lo_k, _, _ = _bisect(ptr, n, xt, wt, _key_of(lo), _key_of(hi), k, target, m, inv_t, gran, 0, BY_MASS, TILE, BLOCK)
     return _min_at_least(ptr, n, xt, _float_of(lo_k), TILE, BLOCK)
 
 
@@ -615,19 +622,59 @@ def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C,
 
 
 @triton.jit
-def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
-    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in registers when
-    they fit one tile, else over the scratch row."""
-    if n_c <= BLOCK:
+def _tile_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
+    """Threshold and race over the n_c <= BLOCK candidates cx (ids ci, in token order) in one register tile."""
+    lane = tl.arange(0, BLOCK)
+    mask = lane < n_c
+    xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
+    wt = tl.exp((xt - m) * inv_t)
+    gran = _granularity(cx, n_c, xt, True, BLOCK)
+    tau = _threshold(cx, n_c, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, True, BLOCK)
+    score = tl.where(mask & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=mask, other=0), inv_t, key,
+                                                      key2), float("-inf"))
+    return tau, tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
+
+
+@triton.jit
+def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr,
+                 SMALL: tl.constexpr):
+    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in a SMALL register tile
+    when they fit one; in a BLOCK tile, first narrowed to at most SMALL tokens by the row's first filter's
+    search, copied to the front of cx and finished in a SMALL tile (each count of a search costs the tile's
+    width: a row with thousands of candidates set the kernel's time); else over the scratch row."""
+    if n_c <= SMALL:
+        tau, res = _tile_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
+    elif n_c <= BLOCK:
         lane = tl.arange(0, BLOCK)
         mask = lane < n_c
         xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
+        it = tl.load(ci + lane, mask=mask, other=0)
         wt = tl.exp((xt - m) * inv_t)
         gran = _granularity(cx, n_c, xt, True, BLOCK)
-        tau = _threshold(cx, n_c, xt, wt, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, True, BLOCK)
-        score = tl.where(mask & (xt >= tau), _noise_score(xt, tl.load(ci + lane, mask=mask, other=0), inv_t, key,
-                                                          key2), float("-inf"))
-        res = tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
+        lo_k = _key_of(cstar)
+        hi_k = _key_of(hi)
+        n_s = n_c  # (tokens >= lo)
+        if top_k > 0:  # (every token top-k keeps is >= a cut it qualifies)
+            if n_c >= top_k:
+                lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, top_k, 0.0, m, inv_t, gran, SMALL, False, True,
+                                          BLOCK)
+        elif top_p < 1.0:  # (the same for top-p's nucleus: what min_p kept, weighed on the whole row)
+            lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, 0, top_p * z_a, m, inv_t, gran, SMALL, True, True,
+                                      BLOCK)
+        lo = _float_of(lo_k)
+        hi = _float_of(hi_k)
+        if n_s <= SMALL:
+            keep = mask & (xt >= lo)
+            pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.debug_barrier()  # every thread's loads of cx / ci above happen before any store below
+            tl.store(cx + pos, xt, mask=keep)
+            tl.store(ci + pos, it, mask=keep)
+            tl.debug_barrier()  # written by all threads, read next by others
+            tau, res = _tile_finish(cx, ci, n_s, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
+        else:  # (more than SMALL tokens at or above the cut: a tie at it, or a wide nucleus)
+            tau = _threshold(cx, n_c, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, True, BLOCK)
+            score = tl.where(mask & (xt >= tau), _noise_score(xt, it, inv_t, key, key2), float("-inf"))
+            res = tl.sum(tl.where(lane == tl.argmax(score, 0), it, 0), 0).to(tl.int64)
     else:
         dummy = tl.zeros([BLOCK], tl.float32)
         gran = _granularity(cx, n_c, dummy, False, BLOCK)
@@ -898,7 +945,7 @@ def _retry(xrow, V, w, m, inv_t, top_p, z_a, key, key2, BLOCK: tl.constexpr, TRI
 def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pidx_ptr, pmin_ptr, piv_ptr,
                    pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, rs2_ptr, ri2_ptr, out_ptr, tau_ptr,
                    fb_ptr, split, SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
-                   REFINE: tl.constexpr, WINNER: tl.constexpr, TRIES: tl.constexpr):
+                   REFINE: tl.constexpr, WINNER: tl.constexpr, TRIES: tl.constexpr, SMALL: tl.constexpr):
     """Per row: greedy argmax; a winner row's first kept winner; the exact threshold and race over the
     candidates (or the whole row); or the best of the chunks' races."""
     row = tl.program_id(0)
@@ -958,7 +1005,7 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
                                                         top_k, top_p, cx, ci, C, BLOCK, PB, P, REFINE)
                 if found > 0:
                     tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
-                                            BLOCK)
+                                            BLOCK, SMALL)
                 else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
                     dummy = tl.zeros([BLOCK], tl.float32)
                     tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 1, False,
@@ -1062,5 +1109,5 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bo
                                 SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, STAGE=stage, num_warps=8)
     _finish_kernel[(B,)](x, x.stride(0), V, slots, f, i, S, steps, pmax, pidx, pmin, piv, pc, pm, pz, cand_x, cand_i, C,
                          rs, ri, rs2, ri2, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK,
-                         REFINE=REFINE, WINNER=winner, TRIES=TRIES, num_warps=8)
+                         REFINE=REFINE, WINNER=winner, TRIES=TRIES, SMALL=FINISH_TILE, num_warps=8)
     return ids, tau

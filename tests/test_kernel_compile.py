@@ -26,8 +26,8 @@ SCRIPT = textwrap.dedent('''
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
         triton.compile(src, target=GPUTarget("cuda", 90, 32))
 
-    common = dict(SP2=16, P=K.PIVOTS)
-    build(K._pass1_kernel, dict(PEN=True, PROMPT=K.PROMPT_BIT, BLOCK=K.SPLIT_BLOCK))
+    common = dict(SP2=16, P=K.PIVOTS, PDL=True)  # (as a Hopper launches them: `kernels.pdl`)
+    build(K._pass1_kernel, dict(PEN=True, PROMPT=K.PROMPT_BIT, BLOCK=K.SPLIT_BLOCK, PDL=True))
     for winner in (False, True):  # (want_tau, and not)
         build(K._pivot_kernel, dict(common, PB=K.PIVOT_BLOCK, WINNER=winner))
         build(K._compact_kernel, dict(common, BLOCK=K.SPLIT_BLOCK, WINNER=winner))

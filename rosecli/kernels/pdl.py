@@ -18,8 +18,8 @@ returns, and that one lets the third launch only after it: every kernel from the
 inputs are written.
 
 ``ROSE_PDL=0`` turns it off for every kernel, ``ROSE_PDL_OFF=decode,argmax`` for the kernels named (the
-``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax, embed), for A/B
-measurements; ``ROSE_SKINNY_PDL=0`` (older) is ``ROSE_PDL_OFF=skinny``.
+``kernel`` argument of `use_pdl`: skinny, decode, merge, norm, rotary, activation, store, argmax, embed,
+sampler), for A/B measurements; ``ROSE_SKINNY_PDL=0`` (older) is ``ROSE_PDL_OFF=skinny``.
 
 While it waits, a kernel launched early can also ask for what it will read into the L2 cache (`l2_prefetch`):
 the skinny GEMM at 2-64 rows asks for the rest of its weights. Such a step is bound by latency, not by the read

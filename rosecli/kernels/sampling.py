@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rosecli.kernels.pdl import pdl_begin, use_pdl
+
 PROMPT_BIT = 1 << 30  # counts[slot, token]: bit 30 = token in the prompt, low 30 bits = times in the output
 M32 = 0xFFFFFFFF
 BLOCK = 4096  # tile of a pass over a row; up to BLOCK candidates are searched in registers
@@ -737,8 +739,9 @@ def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p
 # the winner when top-p keeps it.
 @triton.jit
 def _pass1_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, S, cnt_ptr, pmax_ptr, pidx_ptr, pmin_ptr,
-                  PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr):
+                  PEN: tl.constexpr, PROMPT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk: penalties (written back), max, its first index, smallest finite value."""
+    pdl_begin(PDL)
     row = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -797,9 +800,11 @@ def _winner_row(temp, top_k, top_p, WINNER: tl.constexpr):
 
 @triton.jit
 def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, piv_ptr, pc_ptr, pm_ptr, pz_ptr,
-                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, WINNER: tl.constexpr):
+                  SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, WINNER: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Per chunk of a row that filters by top-k or top-p (not a winner row): counts (and weights) at
     the first cutoffs."""
+    pdl_begin(PDL)
     row, s, split, slot, temp, top_p, top_k = _chunk_program(slot_ptr, f_ptr, i_ptr, S)
     if (temp > 0) & ((top_k > 0) | (top_p < 1.0)) & ~_winner_row(temp, top_k, top_p, WINNER):
         m = _row_max(pmax_ptr, row, split, SP2)
@@ -824,10 +829,11 @@ def _pivot_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, pmax_ptr, p
 @triton.jit
 def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, piv_ptr, pc_ptr, pm_ptr,
                     pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, SP2: tl.constexpr, P: tl.constexpr,
-                    BLOCK: tl.constexpr, WINNER: tl.constexpr):
+                    BLOCK: tl.constexpr, WINNER: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk: a filtering row's candidates to its scratch row (at the chunk's offset); a row that
     does not filter (temperature, min_p) races its chunk, and so does a winner row, which also weighs
     what min_p kept of its chunk."""
+    pdl_begin(PDL)
     row = tl.program_id(0)
     s = tl.program_id(1)
     split = tl.num_programs(1)
@@ -892,11 +898,12 @@ def _kept(pm_ptr, pz_ptr, row, split, k, best, top_p, P: tl.constexpr):
 @triton.jit
 def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pm_ptr, pz_ptr,
                   rs_ptr, ri_ptr, rs2_ptr, ri2_ptr, SP2: tl.constexpr, P: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGE: tl.constexpr):
+                  STAGE: tl.constexpr, PDL: tl.constexpr = False):
     """Per chunk of a winner row. STAGE 0: the weight of its tokens above the winner of race 0
     (`_compact_kernel`'s). STAGE 1, where top-p dropped race 0's winner: race 1, over its tokens above
     that winner (top-p keeps only tokens above a token it dropped). STAGE 2, the same: the weight of
     its tokens above race 1's winner."""
+    pdl_begin(PDL)
     row, s, split, slot, temp, top_p, top_k = _chunk_program(slot_ptr, f_ptr, i_ptr, S)
     if _winner_row(temp, top_k, top_p, True):
         best, w = _chunks_winner(rs_ptr, ri_ptr, row, split, tl.full((), 0, tl.int64))  # race 0's
@@ -945,9 +952,11 @@ def _retry(xrow, V, w, m, inv_t, top_p, z_a, key, key2, BLOCK: tl.constexpr, TRI
 def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax_ptr, pidx_ptr, pmin_ptr, piv_ptr,
                    pc_ptr, pm_ptr, pz_ptr, cx_ptr, ci_ptr, C, rs_ptr, ri_ptr, rs2_ptr, ri2_ptr, out_ptr, tau_ptr,
                    fb_ptr, split, SP2: tl.constexpr, P: tl.constexpr, PB: tl.constexpr, BLOCK: tl.constexpr,
-                   REFINE: tl.constexpr, WINNER: tl.constexpr, TRIES: tl.constexpr, SMALL: tl.constexpr):
+                   REFINE: tl.constexpr, WINNER: tl.constexpr, TRIES: tl.constexpr, SMALL: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Per row: greedy argmax; a winner row's first kept winner; the exact threshold and race over the
     candidates (or the whole row); or the best of the chunks' races."""
+    pdl_begin(PDL)
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     temp = tl.load(f_ptr + slot)
@@ -1094,20 +1103,23 @@ def sample(x, slots, f, i, steps, counts, cand_x, cand_i, fallback, want_tau: bo
     winner = not want_tau
     top_p_rows, top_k_rows = (True, True) if kinds is None else kinds
     grid = (B, split)
+    pdl = use_pdl(dev, "sampler")  # (each pass launched while the one before ends: `kernels.pdl`)
     # (4 warps read a chunk faster where no penalty is applied; with penalties 8: H200, docs/performance.md)
     _pass1_kernel[grid](x, x.stride(0), V, ch, slots, f, S, cnt, pmax, pidx, pmin,
-                        PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK,
-                        num_warps=8 if counts is not None else 4)
+                        PEN=counts is not None, PROMPT=PROMPT_BIT, BLOCK=SPLIT_BLOCK, PDL=pdl,
+                        num_warps=8 if counts is not None else 4, launch_pdl=pdl)
     if top_k_rows or (top_p_rows and not winner):  # (the rows that search their thresholds)
         _pivot_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, pmax, piv, pc, pm, pz,
-                            SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, num_warps=8)
+                            SP2=sp2, P=P, PB=PIVOT_BLOCK, WINNER=winner, PDL=pdl, num_warps=8, launch_pdl=pdl)
     _compact_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, piv, pc, pm, pz, cand_x, cand_i, C,
-                          rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, WINNER=winner, num_warps=8)
+                          rs, ri, SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, WINNER=winner, PDL=pdl, num_warps=8,
+                          launch_pdl=pdl)
     if winner and top_p_rows:  # (winner rows: the first winner's check, then one more race and its check, split)
         for stage in range(3):
             _above_kernel[grid](x, x.stride(0), V, ch, slots, f, i, S, steps, pmax, pm, pz, rs, ri, rs2, ri2,
-                                SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, STAGE=stage, num_warps=8)
+                                SP2=sp2, P=P, BLOCK=SPLIT_BLOCK, STAGE=stage, PDL=pdl, num_warps=8, launch_pdl=pdl)
     _finish_kernel[(B,)](x, x.stride(0), V, slots, f, i, S, steps, pmax, pidx, pmin, piv, pc, pm, pz, cand_x, cand_i, C,
                          rs, ri, rs2, ri2, ids, tau, fallback, split, SP2=sp2, P=P, PB=PIVOT_BLOCK, BLOCK=BLOCK,
-                         REFINE=REFINE, WINNER=winner, TRIES=TRIES, SMALL=FINISH_TILE, num_warps=8)
+                         REFINE=REFINE, WINNER=winner, TRIES=TRIES, SMALL=FINISH_TILE, PDL=pdl, num_warps=8,
+                         launch_pdl=pdl)
     return ids, tau

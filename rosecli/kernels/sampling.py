@@ -22,7 +22,10 @@ passes over the vocabulary: pass 1 (penalties written back, max, argmax); pass 2
 that cannot exclude a kept token and leaves at most ``C`` candidates, and copies them to a scratch row
 (a row without top-k/top-p races its chunks instead); then one program per row runs a bisection on
 the float's bit pattern over its candidates (registers) for the exact k-th value and top-p cut, and
-the race over them (more than 4096 candidates: over the scratch row). A row no cutoff fits (a flat
+the race over them: up to 256 candidates in a 256-token tile; up to 4096 first narrowed by the row's
+first filter's search in a 4096-token tile until at most 256 are left at or above the cut, then
+copied and finished in the small tile (each count costs the tile's width); more than 4096 over the
+scratch row. On a Hopper GPU each pass is launched with PDL (`kernels.pdl`). A row no cutoff fits (a flat
 distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
 over its whole row: slower, equally exact.
 

@@ -165,10 +165,11 @@ def _row_kinds(slots, f, i):
     return bool((sampled & (k <= 0) & (p < 1)).any()), bool((sampled & (k > 0)).any())
 
 
-def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
+def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity, fill=float("nan")):
     """`K.sample` against `K.sample_ref`: the ids and thresholds (``want_tau``), and the ids alone when the
     kernel may take a race winner without its row's threshold, with every pass launched and with only the
-    passes the rows' kinds need. -> rows that searched their whole row."""
+    passes the rows' kinds need. ``fill``: what the candidate scratch holds before (NaN, or a huge logit as a
+    stale one past a row's candidates would be). -> rows that searched their whole row."""
     B = x.shape[0]
     x, slots, f, i, steps = (t.to(DEV) for t in (x, slots, f, i, steps))
     counts = counts.to(DEV) if counts is not None else None
@@ -178,7 +179,7 @@ def _kernel_vs_ref(x, slots, f, i, steps, counts, capacity):
         fallback = torch.zeros((), dtype=torch.int32, device=DEV)
         xk, xr = x.clone(), x.clone()
         # (scratch of NaN: a pass the kinds skip must not be one a row reads)
-        ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.full((B, capacity), float("nan"), device=DEV),
+        ids, tau = K.sample(xk, slots, f, i, steps, counts, torch.full((B, capacity), fill, device=DEV),
                             torch.empty(B, capacity, dtype=torch.int32, device=DEV), fallback, want_tau=want_tau,
                             kinds=kinds)
         K.sample_ref(xr, slots, f, i, steps, counts)
@@ -250,6 +251,7 @@ def test_sample_kernel_narrows_many_candidates_to_a_small_tile():
     fit = [_first_cut_candidates(x[r], *rows[r][:3]) for r in range(len(rows))]
     assert all(K.FINISH_TILE < n <= K.BLOCK for n in fit), fit
     assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=cap) == 0
+    assert _kernel_vs_ref(x, slots, f, i, steps, counts, capacity=cap, fill=1e30) == 0  # (none read past its own)
 
 
 @pytest.mark.parametrize("kind", ["temperature", "top-k", "top-p", "greedy"])

@@ -645,11 +645,11 @@ def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 
                  SMALL: tl.constexpr):
     """Threshold and race over the n_c candidates cx (token ids ci, in token order): in a SMALL register tile
     when they fit one; in a BLOCK tile, first narrowed to at most SMALL tokens by the row's first filter's
-    search, copied to the front of cx and finished in a SMALL tile (each count of a search costs the tile's
+    search, copied to the front of cx and finished in the SMALL tile (each count of a search costs the tile's
     width: a row with thousands of candidates set the kernel's time); else over the scratch row."""
-    if n_c <= SMALL:
-        tau, res = _tile_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
-    elif n_c <= BLOCK:
+    lo = cstar
+    n_s = n_c  # (tokens >= lo)
+    if (n_c > SMALL) & (n_c <= BLOCK):
         lane = tl.arange(0, BLOCK)
         mask = lane < n_c
         xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
@@ -658,7 +658,6 @@ def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 
         gran = _granularity(cx, n_c, xt, True, BLOCK)
         lo_k = _key_of(cstar)
         hi_k = _key_of(hi)
-        n_s = n_c  # (tokens >= lo)
         if top_k > 0:  # (every token top-k keeps is >= a cut it qualifies)
             if n_c >= top_k:
                 lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, top_k, 0.0, m, inv_t, gran, SMALL, False, True,
@@ -675,11 +674,11 @@ def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 
             tl.store(cx + pos, xt, mask=keep)
             tl.store(ci + pos, it, mask=keep)
             tl.debug_barrier()  # written by all threads, read next by others
-            tau, res = _tile_finish(cx, ci, n_s, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
-        else:  # (more than SMALL tokens at or above the cut: a tie at it, or a wide nucleus)
-            tau = _threshold(cx, n_c, xt, wt, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, True, BLOCK)
-            score = tl.where(mask & (xt >= tau), _noise_score(xt, it, inv_t, key, key2), float("-inf"))
-            res = tl.sum(tl.where(lane == tl.argmax(score, 0), it, 0), 0).to(tl.int64)
+    if n_s <= SMALL:
+        tau, res = _tile_finish(cx, ci, n_s, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
+    elif n_c <= BLOCK:  # (more than SMALL tokens at or above the cut: a tie at it, or a wide nucleus; cx, ci as
+        # they were)
+        tau, res = _tile_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK)
     else:
         dummy = tl.zeros([BLOCK], tl.float32)
         gran = _granularity(cx, n_c, dummy, False, BLOCK)

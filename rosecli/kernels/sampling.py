@@ -640,51 +640,80 @@ def _tile_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key
     return tau, tl.load(ci + tl.argmax(score, 0)).to(tl.int64)
 
 
-@triton.jit
-def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr,
-                 SMALL: tl.constexpr):
-    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in a SMALL register tile
-    when they fit one; in a BLOCK tile, first narrowed to at most SMALL tokens by the row's first filter's
-    search, copied to the front of cx and finished in the SMALL tile (each count of a search costs the tile's
-    width: a row with thousands of candidates set the kernel's time); else over the scratch row."""
-    lo = cstar
-    n_s = n_c  # (tokens >= lo)
-    if (n_c > SMALL) & (n_c <= BLOCK):
-        lane = tl.arange(0, BLOCK)
-        mask = lane < n_c
-        xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
-        it = tl.load(ci + lane, mask=mask, other=0)
-        wt = tl.exp((xt - m) * inv_t)
-        gran = _granularity(cx, n_c, xt, True, BLOCK)
-        lo_k = _key_of(cstar)
-        hi_k = _key_of(hi)
-        if top_k > 0:  # (every token top-k keeps is >= a cut it qualifies)
-            if n_c >= top_k:
-                lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, top_k, 0.0, m, inv_t, gran, SMALL, False, True,
-                                          BLOCK)
-        elif top_p < 1.0:  # (the same for top-p's nucleus: what min_p kept, weighed on the whole row)
-            lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, 0, top_p * z_a, m, inv_t, gran, SMALL, True, True,
+@triton.jit(noinline=True)
+def _narrow(cx, ci, n_c, cstar, hi, m, inv_t, top_k, top_p, z_a, BLOCK: tl.constexpr, SMALL: tl.constexpr):
+    """A row of SMALL < n_c <= BLOCK candidates cx (token ids ci, in token order): its first filter's search in a
+    BLOCK register tile until at most SMALL tokens are at or above the cut, and those copied to the front of cx
+    and ci. -> (n_s, the tokens >= lo; lo; hi): n_s > SMALL (a tie at the cut, a wide nucleus) leaves cx, ci as
+    they were. Not inlined, as the finish's other rare paths (`_wide_finish`, `_refine`, `_retry`,
+    `_row_finish`): the finishing program's code is fetched from device memory every decode step (the step's
+    weights evict it from L2), and inlined at every tile width it was 545 KB."""
+    lane = tl.arange(0, BLOCK)
+    mask = lane < n_c
+    xt = tl.load(cx + lane, mask=mask, other=float("-inf"))
+    it = tl.load(ci + lane, mask=mask, other=0)
+    wt = tl.exp((xt - m) * inv_t)
+    gran = _granularity(cx, n_c, xt, True, BLOCK)
+    lo_k = _key_of(cstar)
+    hi_k = _key_of(hi)
+    n_s = n_c
+    if top_k > 0:  # (every token top-k keeps is >= a cut it qualifies)
+        if n_c >= top_k:
+            lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, top_k, 0.0, m, inv_t, gran, SMALL, False, True,
                                       BLOCK)
-        lo = _float_of(lo_k)
-        hi = _float_of(hi_k)
-        if n_s <= SMALL:
-            keep = mask & (xt >= lo)
-            pos = tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.debug_barrier()  # every thread's loads of cx / ci above happen before any store below
-            tl.store(cx + pos, xt, mask=keep)
-            tl.store(ci + pos, it, mask=keep)
-            tl.debug_barrier()  # written by all threads, read next by others
+    elif top_p < 1.0:  # (the same for top-p's nucleus: what min_p kept, weighed on the whole row)
+        lo_k, hi_k, n_s = _bisect(cx, n_c, xt, wt, lo_k, hi_k, 0, top_p * z_a, m, inv_t, gran, SMALL, True, True,
+                                  BLOCK)
+    lo = _float_of(lo_k)
     if n_s <= SMALL:
-        tau, res = _tile_finish(cx, ci, n_s, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
-    elif n_c <= BLOCK:  # (more than SMALL tokens at or above the cut: a tie at it, or a wide nucleus; cx, ci as
-        # they were)
+        keep = mask & (xt >= lo)
+        pos = tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.debug_barrier()  # every thread's loads of cx / ci above happen before any store below
+        tl.store(cx + pos, xt, mask=keep)
+        tl.store(ci + pos, it, mask=keep)
+        tl.debug_barrier()  # written by all threads, read next by others
+    return n_s, lo, _float_of(hi_k)
+
+
+@triton.jit(noinline=True)
+def _wide_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
+    """Threshold and race over more candidates than the small tile holds: in a BLOCK tile, else over the
+    scratch row."""
+    if n_c <= BLOCK:
         tau, res = _tile_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK)
     else:
         dummy = tl.zeros([BLOCK], tl.float32)
         gran = _granularity(cx, n_c, dummy, False, BLOCK)
-        tau = _threshold(cx, n_c, dummy, dummy, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, False,
-                         BLOCK)
+        tau = _threshold(cx, n_c, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, gran, False, BLOCK)
         _, res = _race(cx, n_c, 0, tau, inv_t, key, key2, BLOCK, ci, True)
+    return tau, res
+
+
+@triton.jit(noinline=True)
+def _row_finish(xrow, V, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr):
+    """A row no cutoff fitted even after `_refine` (a flat row, a huge tie): threshold and race over the whole
+    row (rare: not worth a pass for the granularity)."""
+    dummy = tl.zeros([BLOCK], tl.float32)
+    tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 1, False, BLOCK)
+    _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
+    return tau, res
+
+
+@triton.jit
+def _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK: tl.constexpr,
+                 SMALL: tl.constexpr):
+    """Threshold and race over the n_c candidates cx (token ids ci, in token order): in a SMALL register tile
+    when they fit one; up to BLOCK of them first narrowed to at most SMALL tokens (`_narrow`: each count of a
+    search costs the tile's width, and a row with thousands of candidates set the kernel's time); a row left
+    wider in the BLOCK tile or over the scratch row (`_wide_finish`)."""
+    lo = cstar
+    n_s = n_c  # (tokens >= lo)
+    if (n_c > SMALL) & (n_c <= BLOCK):
+        n_s, lo, hi = _narrow(cx, ci, n_c, cstar, hi, m, inv_t, top_k, top_p, z_a, BLOCK, SMALL)
+    if n_s <= SMALL:
+        tau, res = _tile_finish(cx, ci, n_s, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, SMALL)
+    else:  # (cx, ci as they were)
+        tau, res = _wide_finish(cx, ci, n_c, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK)
     return tau, res
 
 
@@ -704,7 +733,7 @@ def _compact(xrow, lo, n, cstar, cx, ci, at, BLOCK: tl.constexpr):
     return at
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _refine(xrow, V, lo, hi, z_a, m, lo_min, temp, inv_t, tau_minp, top_k, top_p, cx, ci, C,
             BLOCK: tl.constexpr, PB: tl.constexpr, P: tl.constexpr, REFINE: tl.constexpr):
     """A row no first cutoff fitted: narrow [lo, hi) with up to REFINE passes of P cutoffs over the
@@ -933,7 +962,7 @@ def _above_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr, p
                 tl.store(pm_ptr + at.to(tl.int64) * P + STAGE // 2, mass)
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _retry(xrow, V, w, m, inv_t, top_p, z_a, key, key2, BLOCK: tl.constexpr, TRIES: tl.constexpr):
     """A winner row whose first two winners were dropped (w the second), in one program: race over
     the tokens above the last winner and count above the new one, up to TRIES times.
@@ -1018,10 +1047,7 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
                     tau, res = _cand_finish(cx, ci, n_c, cstar, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2,
                                             BLOCK, SMALL)
                 else:  # still too many (a flat row, a huge tie): threshold and race over the whole row
-                    dummy = tl.zeros([BLOCK], tl.float32)
-                    tau = _threshold(xrow, V, dummy, dummy, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, 1, False,
-                                     BLOCK)  # (rare: not worth a pass for the granularity)
-                    _, res = _race(xrow, V, 0, tau, inv_t, key, key2, BLOCK)
+                    tau, res = _row_finish(xrow, V, lo, hi, m, inv_t, tau_minp, top_k, top_p, z_a, key, key2, BLOCK)
         else:
             tau = tau_minp
             _, res = _chunks_winner(rs_ptr, ri_ptr, row, split, res)

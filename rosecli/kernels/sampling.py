@@ -601,20 +601,24 @@ def _row_max(pmax_ptr, row, split, SP2: tl.constexpr):
 
 
 @triton.jit
-def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C, P: tl.constexpr):
+def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C, P: tl.constexpr, SP2: tl.constexpr):
     """From the chunks' counts at the cutoffs c: whether one keeps every token the filters keep and at
     most C candidates (found), the highest such (cstar, its index jstar, its count n_c), the bracket
-    (lo qualifies, hi does not) and the weight z_a of what min_p kept. Sums in chunk order: every
-    kernel that calls this gets the same answer."""
+    (lo qualifies, hi does not), the weight z_a of what min_p kept (rows without top-k: top-k rows weigh
+    nothing, 0) and every chunk's counts ([SP2, P]: a chunk's offset among the candidates). The counts in
+    one load; the weights summed in chunk order, so every kernel that calls this gets the same answer."""
     pj = tl.arange(0, P)
-    cnt = tl.zeros([P], tl.int32)
+    sj = tl.arange(0, SP2)
+    at = (row * split + sj).to(tl.int64)
+    cnts = tl.load(pc_ptr + at[:, None] * P + pj[None, :], mask=(sj < split)[:, None], other=0)
+    cnt = tl.sum(cnts, 0)
     mass = tl.zeros([P], tl.float32)
     z_a = tl.full((), 0.0, tl.float32)
-    for s in range(0, split):
-        at = (row * split + s).to(tl.int64)
-        cnt += tl.load(pc_ptr + at * P + pj)
-        mass += tl.load(pm_ptr + at * P + pj)
-        z_a += tl.load(pz_ptr + at)
+    if top_k <= 0:  # (top-k rows qualify a cutoff by its count alone)
+        for s in range(0, split):
+            a = (row * split + s).to(tl.int64)
+            mass += tl.load(pm_ptr + a * P + pj)
+            z_a += tl.load(pz_ptr + a)
     valid = (c <= tau_minp) | tl.where(top_k > 0, cnt >= top_k, mass >= top_p * z_a)
     ok = valid & (cnt <= C)
     found = tl.sum(ok.to(tl.int32), 0)
@@ -623,7 +627,7 @@ def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C,
     n_c = tl.sum(tl.where(pj == jstar, cnt, 0), 0)
     lo = tl.max(tl.where(valid, c, float("-inf")), 0)
     hi = tl.minimum(tl.min(tl.where(valid, float("inf"), c), 0), _float_of(_key_of(m) + 1))
-    return found, cstar, jstar, n_c, lo, hi, z_a
+    return found, cstar, jstar, n_c, lo, hi, z_a, cnts
 
 
 @triton.jit
@@ -882,12 +886,11 @@ def _compact_kernel(x_ptr, x_stride, V, CH, slot_ptr, f_ptr, i_ptr, S, step_ptr,
         winner = _winner_row(temp, top_k, top_p, WINNER)
         if filters & ~winner:
             c = tl.load(piv_ptr + row * P + tl.arange(0, P))
-            found, cstar, jstar, n_c, _, _, _ = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k,
-                                                        top_p, C, P)
-            if found > 0:
-                at = 0
-                for s2 in range(0, s):
-                    at += tl.load(pc_ptr + (row * split + s2).to(tl.int64) * P + jstar)
+            found, cstar, jstar, n_c, _, _, _, cnts = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp,
+                                                              top_k, top_p, C, P, SP2)
+            if found > 0:  # (at: the candidates of the chunks before this one)
+                before = (tl.arange(0, SP2) < s)[:, None] & (tl.arange(0, P) == jstar)[None, :]
+                at = tl.sum(tl.sum(tl.where(before, cnts, 0), 1), 0)
                 _compact(xrow, lo, n, cstar, cx_ptr + row.to(tl.int64) * C, ci_ptr + row.to(tl.int64) * C, at, BLOCK)
         else:
             key, key2 = _noise_keys(i_ptr, step_ptr, S, slot)
@@ -1035,8 +1038,8 @@ def _finish_kernel(x_ptr, x_stride, V, slot_ptr, f_ptr, i_ptr, S, step_ptr, pmax
                     tau = tl.full((), float("nan"), tl.float32)
             else:
                 c = tl.load(piv_ptr + row * P + tl.arange(0, P))
-                found, cstar, jstar, n_c, lo, hi, z_a = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp,
-                                                                top_k, top_p, C, P)
+                found, cstar, jstar, n_c, lo, hi, z_a, _ = _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m,
+                                                                   tau_minp, top_k, top_p, C, P, SP2)
             if search != 0:
                 if found == 0:
                     tl.atomic_add(fb_ptr, 1)

@@ -27,7 +27,8 @@ first filter's search in a 4096-token tile until at most 256 are left at or abov
 copied and finished in the small tile (each count costs the tile's width); more than 4096 over the
 scratch row. On a Hopper GPU each pass is launched with PDL (`kernels.pdl`). A row no cutoff fits (a flat
 distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
-over its whole row: slower, equally exact.
+over its whole row: slower, equally exact. The finishing program's rare paths are functions it calls, not
+inlined (its code is fetched from device memory every decode step: the step's weights evict it from L2).
 
 When the thresholds themselves are not wanted (`sample`'s ``want_tau``: only processed logprobs need
 them), a top-p row without top-k skips its search: it races over everything min_p kept, and top-p keeps

@@ -605,9 +605,9 @@ def _row_max(pmax_ptr, row, split, SP2: tl.constexpr):
 def _choose(pc_ptr, pm_ptr, pz_ptr, row, split, c, m, tau_minp, top_k, top_p, C, P: tl.constexpr, SP2: tl.constexpr):
     """From the chunks' counts at the cutoffs c: whether one keeps every token the filters keep and at
     most C candidates (found), the highest such (cstar, its index jstar, its count n_c), the bracket
-    (lo qualifies, hi does not), the weight z_a of what min_p kept (rows without top-k: top-k rows weigh
-    nothing, 0) and every chunk's counts ([SP2, P]: a chunk's offset among the candidates). The counts in
-    one load; the weights summed in chunk order, so every kernel that calls this gets the same answer."""
+    (lo qualifies, hi does not), the weight z_a of what min_p kept (0 for a top-k row, which does not use it)
+    and every chunk's counts ([SP2, P]: a chunk's offset among the candidates). The counts in one load; the
+    weights summed in chunk order, so every kernel that calls this gets the same answer."""
     pj = tl.arange(0, P)
     sj = tl.arange(0, SP2)
     at = (row * split + sj).to(tl.int64)

@@ -32,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_skinny import SHAPES  # noqa: E402
+from bench_skinny import SHAPES, graph_time_us  # noqa: E402
 
 from rosecli.kernels import norm  # noqa: E402
 from rosecli.kernels.launch_table import skinny_launch  # noqa: E402
@@ -40,27 +40,9 @@ from rosecli.kernels.skinny_gemm import skinny_linear  # noqa: E402
 from rosecli.kernels.stream_read import stream_read_sum  # noqa: E402
 
 
-def graph_us(fns, reps: int = 20) -> float:
-    """Per replay: a CUDA graph of ``fns`` replayed ``reps`` times (the best of 5 runs)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(5):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+def graph_us(fns) -> float:
+    """Per replay: a CUDA graph of ``fns`` (bench_skinny's timing, which gives it per call)."""
+    return graph_time_us(fns) * len(fns)
 
 
 class Reader:

@@ -27,8 +27,8 @@ first filter's search in a 4096-token tile until at most 256 are left at or abov
 copied and finished in the small tile (each count costs the tile's width); more than 4096 over the
 scratch row. On a Hopper GPU each pass is launched with PDL (`kernels.pdl`). A row no cutoff fits (a flat
 distribution, a huge tie) narrows its cutoffs over its whole row, and failing that bisects and races
-over its whole row: slower, equally exact. The finishing program's rare paths are functions it calls, not
-inlined (its code is fetched from device memory every decode step: the step's weights evict it from L2).
+over its whole row: slower, equally exact. The finishing program's narrowing and its rare paths are functions it
+calls, not inlined (its code is fetched from device memory every decode step: the step's weights evict it from L2).
 
 When the thresholds themselves are not wanted (`sample`'s ``want_tau``: only processed logprobs need
 them), a top-p row without top-k skips its search: it races over everything min_p kept, and top-p keeps
@@ -650,9 +650,10 @@ def _narrow(cx, ci, n_c, cstar, hi, m, inv_t, top_k, top_p, z_a, BLOCK: tl.const
     """A row of SMALL < n_c <= BLOCK candidates cx (token ids ci, in token order): its first filter's search in a
     BLOCK register tile until at most SMALL tokens are at or above the cut, and those copied to the front of cx
     and ci. -> (n_s, the tokens >= lo; lo; hi): n_s > SMALL (a tie at the cut, a wide nucleus) leaves cx, ci as
-    they were. Not inlined, as the finish's other rare paths (`_wide_finish`, `_refine`, `_retry`,
-    `_row_finish`): the finishing program's code is fetched from device memory every decode step (the step's
-    weights evict it from L2), and inlined at every tile width it was 545 KB."""
+    they were. Not inlined, like the finish's rare paths (`_wide_finish`, `_refine`, `_retry`, `_row_finish`):
+    the finishing program's code is fetched from device memory every decode step (the step's weights evict it
+    from L2), and inlined at every tile width it was 545 KB. Unlike them this one is common (18 of S1's 64 GPT-2
+    rows took it in one step), but only the programs whose row takes it fetch its code."""
     lane = tl.arange(0, BLOCK)
     mask = lane < n_c
     xt = tl.load(cx + lane, mask=mask, other=float("-inf"))

@@ -21,6 +21,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _nothing_left_frozen():
+    """Commands freeze what their engine's start-up made (`gc_pauses.freeze_startup`); in this one process that
+    would keep each test's engines from ever being collected. Unfrozen after every test."""
+    import gc
+
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One model cache for the whole test session (the default model converts once). The dummy

@@ -61,9 +61,10 @@ def test_what_start_up_froze_is_finalized_at_exit():
 
 
 def test_every_command_freezes_what_its_engine_start_up_made(cache_dir):
-    """`rose bench`, `generate`, `chat` and `profile` start their engine through `start_engine`, as the in-process
-    server does: what start-up made is frozen before the first request, whose first full collection would otherwise
-    walk all of it (W1-cold's first burst waited 8-10 ms for one on the H200)."""
+    """`rose bench`, `chat` and `profile` start their engine through `start_engine`, as the in-process server
+    does: what start-up made is frozen before the first request, whose first full collection would otherwise walk
+    all of it (W1-cold's first burst waited 8-10 ms for one on the H200). `rose generate` (one batch, then exit)
+    asks for no freeze."""
     import io
 
     from rich.console import Console
@@ -73,6 +74,9 @@ def test_every_command_freezes_what_its_engine_start_up_made(cache_dir):
 
     gc.unfreeze()
     try:
+        start_engine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu", cache_dir=cache_dir),
+                     Console(file=io.StringIO()), freeze_gc=False).close()
+        assert gc.get_freeze_count() == 0
         engine = start_engine(EngineConfig(model="tiny-llama", load_format="dummy", device="cpu",
                                            cache_dir=cache_dir), Console(file=io.StringIO()))
         try:

@@ -137,7 +137,7 @@ def generate(
     batch = len(texts)  # the prompts run as one batch
     config = config.replace(max_batch_size=batch, prefill_max_batch_size=batch)
     err = Console(stderr=True)
-    engine = start_engine(config, err)
+    engine = start_engine(config, err, freeze_gc=False)  # one batch, then exit: the freeze would only delay it
     try:
         use_chat = engine.loaded.is_instruct if chat is None else chat
         use_chat = use_chat or system is not None

@@ -41,18 +41,21 @@ def startup_progress(console: Console, what: str = "Starting"):
         yield update
 
 
-def start_engine(config, console: Console):
+def start_engine(config, console: Console, freeze_gc: bool = True):
     """Build the engine with start-up progress on ``console`` (stderr): the status line is up
     before torch is imported, the slowest second of a cold start.
 
-    What start-up made is then frozen out of the garbage collector (`gc_pauses.freeze_startup`) for every
-    command, not only the server: otherwise the first requests after start-up pay a full collection of it (on the
-    H200, W1-cold's first burst waited 8-10 ms for one: TTFT p50 11.5-14.2 ms, 3.3-4.2 with collections off)."""
+    ``freeze_gc``: then freeze what start-up made out of the garbage collector (`gc_pauses.freeze_startup`), as
+    the server does: otherwise the first requests after start-up pay a full collection of it (on the H200, W1-cold's
+    first burst waited 8-10 ms for one: TTFT p50 10-17 ms, 3.4-3.8 frozen) and every later full collection walks
+    it again. The freeze is one such collection, at start-up; a one-shot command (`rose generate`) leaves it out
+    rather than delay its first text by it."""
     with startup_progress(console, f"Starting {config.model}") as progress:
         from rosecli.engine.llm import LLMEngine
 
         engine = LLMEngine(config, progress=progress)
-    from rosecli.engine.gc_pauses import freeze_startup
+    if freeze_gc:
+        from rosecli.engine.gc_pauses import freeze_startup
 
-    freeze_startup()
+        freeze_startup()
     return engine

@@ -88,3 +88,59 @@ def test_every_command_freezes_what_its_engine_start_up_made(cache_dir):
             engine.close()
     finally:
         gc.unfreeze()
+
+
+def test_take_gives_the_collections_since_the_last_take():
+    watch = GcPauses(warn_ms=float("inf"))
+    try:
+        watch.take()
+        gc.collect()
+        gc.collect(0)
+        first = watch.take()
+        second = watch.take()
+    finally:
+        watch.close()
+    assert first.collections >= 2 and first.full >= 1
+    assert 0 < first.longest_s <= first.paused_s
+    assert second.collections == 0 and second.paused_s == 0 and second.longest_s == 0  # each interval on its own
+
+
+def test_a_full_collection_inside_a_bench_run_is_in_its_figures_lines_and_summary(tiny_engine_factory):
+    """`bench stream` and `bench sched` say how often this process collected during each run, and how long that
+    held it: the pause W1-cold's first burst paid (8-10 ms on the H200) was invisible until measured by hand."""
+    from rich.console import Console
+
+    from rosecli.bench import report
+    from rosecli.bench.run import bench_sched, bench_stream
+    from rosecli.bench.workload import WorkloadSpec
+    from rosecli.commands.bench import _print_roofline_summary
+    from rosecli.engine.config import SamplingParams
+
+    class CollectingTable(report.RunTable):
+        """Collects once (a full collection) while the first measured run is in flight."""
+        collected = False
+
+        def update(self, *a, **kw):
+            if not self.rows[-1][1] and not CollectingTable.collected:
+                CollectingTable.collected = True
+                gc.collect()
+            return super().update(*a, **kw)
+
+    engine = tiny_engine_factory(max_batch_size=8)
+    spec = WorkloadSpec(num_requests=3, max_new_tokens=5, input_len=4, range_ratio=0.0)
+    params = SamplingParams(max_new_tokens=5, stop_on_eos=False)
+    console = Console(record=True, width=300)
+    with CollectingTable(console, "stream", plain=True) as table:
+        out = bench_stream(engine, spec, params, 1, 2, table)
+    first, second = (r["figures"] for r in out["runs"] if not r["warmup"])
+    assert first["gc_full_collections"] >= 1 and first["gc_longest_pause_s"] > 0
+    assert first["gc_pause_s"] >= first["gc_longest_pause_s"]
+    assert second["gc_full_collections"] == 0  # each run counts its own
+    assert {"gc_collections", "gc_full_collections", "gc_pause_s", "gc_longest_pause_s"} <= set(out["summary"])
+    _print_roofline_summary(console, out, None)
+    text = console.export_text()
+    assert text.count("GC pauses: ") == 2  # one line a measured run
+    assert "GC pauses (the 2 measured runs together): " in text and " full), " in text
+    with report.RunTable(Console(record=True, width=300), "sched", plain=True) as table:
+        out = bench_sched(engine, spec, params, "offline", 0, 1, table)
+    assert "gc_full_collections" in out["runs"][0]["figures"] and "gc_pause_s" in out["summary"]

@@ -69,6 +69,10 @@ _ROOFLINE = {"decode_bytes_per_step": ("Decode bytes per step", "MB"),
              "decode_step_time": ("Decode step time", "ms"), "decode_read_gbs": ("Decode read rate", "GB/s"),
              "roofline_share": ("Share of the read ceiling", "share")}
 
+# this process's garbage collections during a run (rosecli.engine.gc_pauses.GcInterval): label, unit
+_GC = {"gc_collections": ("GC collections", "count"), "gc_full_collections": ("GC full collections", "count"),
+       "gc_pause_s": ("GC pauses, in all", "ms"), "gc_longest_pause_s": ("GC longest pause", "ms")}
+
 
 def higher_is_better(figure: str) -> bool:
     return figure.startswith("throughput") or figure in ("goodput_share", "decode_read_gbs", "roofline_share")
@@ -80,6 +84,8 @@ def unit_of(figure: str) -> str:
         return "req/s"
     if figure in _ROOFLINE:
         return _ROOFLINE[figure][1]
+    if figure in _GC:
+        return _GC[figure][1]
     if figure == "goodput_share":
         return "share"
     if higher_is_better(figure):
@@ -93,6 +99,8 @@ def label_of(figure: str) -> str:
         return _RATE_LABELS[figure]
     if figure in _ROOFLINE:
         return _ROOFLINE[figure][0]
+    if figure in _GC:
+        return _GC[figure][0]
     if figure in _REQUEST_RATES:
         return _REQUEST_RATES[figure]
     if figure == "throughput_peak_output":

@@ -134,6 +134,7 @@ class RunMetrics:
     goodput_requests: float = float("nan")  # requests meeting every --goodput SLO / wall (req/s)
     goodput_share: float = float("nan")  # requests meeting every SLO / requests (failed ones included)
     roofline: Optional[object] = None  # bench.roofline.DecodeRoofline of the run (a GPU engine), else None
+    gc: Optional[object] = None  # engine.gc_pauses.GcInterval: this process's collections during the run
 
     @property
     def tpot_left_out(self) -> int:
@@ -185,6 +186,16 @@ def summarize_run(timings: Sequence[RequestTiming], wall_start: Optional[float] 
                       {k: Dist.of(v) for k, v in figures.items()}, errors, chunks, mean_chunk)
 
 
+def attached_figures(m) -> dict[str, float]:
+    """A run's figures measured beside its requests: the distance to the floor (`bench.roofline.FIGURES`, a GPU
+    engine) and the garbage collector's pauses (`gc_pauses.GcInterval.figures`), those that were measured."""
+    out = {}
+    for part in (m.roofline, m.gc):
+        if part is not None:
+            out.update(part.figures())
+    return out
+
+
 def flatten(r: RunMetrics) -> dict[str, float]:
     """One stream run's figures under flat keys (the names result files and compare use):
     throughput_completion, throughput_total (tokens/s), wall_s, submit_wall_s (s), and
@@ -193,8 +204,7 @@ def flatten(r: RunMetrics) -> dict[str, float]:
            "wall_s": r.wall_s, "submit_wall_s": r.submit_wall_s}
     if not math.isnan(r.goodput_requests):
         out.update(throughput_goodput=r.goodput_requests, goodput_share=r.goodput_share)
-    if r.roofline is not None:
-        out.update(r.roofline.figures())
+    out.update(attached_figures(r))
     for name, d in r.dists.items():
         for q in PERCENTILES:
             out[f"{name}_p{q}"] = getattr(d, f"p{q}")
@@ -238,6 +248,7 @@ class SchedRunMetrics:
     latency_p50: Optional[float] = None
     latency_p99: Optional[float] = None
     roofline: Optional[object] = None  # bench.roofline.DecodeRoofline of the run (a GPU engine), else None
+    gc: Optional[object] = None  # engine.gc_pauses.GcInterval: this process's collections during the run
 
 
 SCHED_FIGURES = ("decode_s", "total_s", "prefill_s", "throughput_decode", "throughput_total", "ttft_p50", "ttft_p99",
@@ -270,10 +281,9 @@ def summarize_sched_run(run) -> SchedRunMetrics:
 
 def sched_figures(m: SchedRunMetrics) -> dict[str, float]:
     """One sched run's figures under flat keys (SCHED_FIGURES), absent ones left out, then the
-    roofline's (bench.roofline.FIGURES) when measured."""
+    roofline's (bench.roofline.FIGURES) and the collector's when measured (`attached_figures`)."""
     out = {k: getattr(m, k) for k in SCHED_FIGURES if getattr(m, k) is not None}
-    if m.roofline is not None:
-        out.update(m.roofline.figures())
+    out.update(attached_figures(m))
     return out
 
 
@@ -285,9 +295,9 @@ def summarize_sched_runs(runs: Sequence[SchedRunMetrics]) -> dict[str, tuple[flo
         vals = [getattr(r, name) for r in runs if getattr(r, name) is not None]
         if vals:
             out[name] = (percentile(vals, 50), float(np.mean(vals)))
-    roofs = [r.roofline.figures() for r in runs if r.roofline is not None]
-    for name in roofs[0] if roofs else ():
-        vals = [f[name] for f in roofs if not math.isnan(f[name])]
+    attached = [attached_figures(r) for r in runs]
+    for name in dict.fromkeys(k for f in attached for k in f):
+        vals = [f[name] for f in attached if name in f and not math.isnan(f[name])]
         if vals:
             out[name] = (percentile(vals, 50), float(np.mean(vals)))
     return out

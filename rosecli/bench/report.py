@@ -48,6 +48,7 @@ from rosecli.bench.compare import CompareRow
 from rosecli.bench.metrics import (FIGURE_LABELS, SERVE_FIGURES, SERVE_LABELS, STREAM_FIGURES, Dist, RunMetrics,
                                    SchedRunMetrics, ServeRunMetrics, pct_key)
 from rosecli.bench.roofline import line as roofline_line
+from rosecli.engine.gc_pauses import gc_line
 
 _PLAIN_LABELS = dict(FIGURE_LABELS, queue_wait="Queue wait (post-tok)")
 _VERDICT_STYLE = {"better": "green", "worse": "red", "noise": "dim", "same": "dim", "n/a": "dim", "missing": "dim"}
@@ -147,10 +148,13 @@ def stream_lines(m: RunMetrics) -> list[str]:
 
 
 def roofline_lines(m) -> list[str]:
-    """The run's distance to the floor (`bench.roofline`), one line; none without it (CPU, another server)."""
+    """The run's distance to the floor (`bench.roofline`), one line; none without it (CPU, another server); then
+    this process's garbage collections during the run (`gc_pauses.gc_line`), where counted."""
     r = getattr(m, "roofline", None)
-    line = roofline_line(r.figures(), r.ceiling_gbs) if r is not None else None
-    return [line] if line else []
+    c = getattr(m, "gc", None)
+    lines = [roofline_line(r.figures(), r.ceiling_gbs) if r is not None else None,
+             gc_line(c.figures()) if c is not None else None]
+    return [line for line in lines if line]
 
 
 def failure_kinds(failures: Sequence[tuple[str, str]]) -> str:

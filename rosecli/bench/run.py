@@ -7,6 +7,7 @@ from rosecli.bench.drivers import run_sched, run_stream
 from rosecli.bench.timeline import StepTimeline
 from rosecli.bench.workload import WorkloadSpec, build_workload
 from rosecli.engine.config import SamplingParams
+from rosecli.engine.gc_pauses import GcPauses
 from rosecli.engine.streaming import StreamingManager
 
 
@@ -40,25 +41,30 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
     throughput_direct / throughput_completion - 1). ``timeline``: record each measured run's
     scheduler steps (`timeline.StepTimeline`); the result's "timelines" holds one per measured run.
     ``roofline``: a `roofline.EngineProbe` (GPU engines): each run's decode bytes, GB/s and share
-    of the read ceiling go into its metrics and figures."""
+    of the read ceiling go into its metrics and figures. Every run's garbage collections (this process's: the
+    engine's threads and the client's) go into its metrics too (`gc_pauses.GcInterval`)."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     manager = StreamingManager(engine, record_timestamps=True)
     runs, raw, measured, failures, timelines = [], [], [], [], []
+    collections = GcPauses(warn_ms=float("inf"))  # counted and shown, not logged over the live table
     try:
         for label, warmup in _labels(warmups, repeats):
             engine.scheduler.reset_prefix_cache()  # every run starts from the same cache state
             table.start_run(label, warmup)
             recorder = StepTimeline(engine.scheduler).attach() if timeline and not warmup else None
             before = roofline.snapshot(manager) if roofline is not None else None
+            collections.take()
             try:
                 run = run_stream(manager, workload, params, table.update)
             finally:
                 if recorder is not None:
                     recorder.detach()
+            gc_run = collections.take()
             if recorder is not None:
                 recorder.t0 = run.wall_start
                 timelines.append(recorder.columns())
             m = metrics.summarize_run(run.timings, run.wall_start, run.wall_end, run.submit_wall, len(run.failures))
+            m.gc = gc_run
             if roofline is not None:
                 m.roofline = roofline.between(before, roofline.snapshot(manager))
             if goodput:  # --goodput: the requests meeting every SLO, as vLLM (metrics.meets_slo)
@@ -74,6 +80,7 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
                 raw.append(results.request_records(run.timings, run.wall_start))
                 failures += run.failures
     finally:
+        collections.close()
         manager.close()
     summary = metrics.median_run(measured)
     if against_direct:
@@ -86,23 +93,30 @@ def bench_stream(engine, spec: WorkloadSpec, params: SamplingParams, warmups: in
 
 def bench_sched(engine, spec: WorkloadSpec, params: SamplingParams, mode: str, warmups: int, repeats: int,
                 table, roofline=None) -> dict:
-    """``roofline``: as `bench_stream`'s; the decode time is the run's decode_s."""
+    """``roofline``: as `bench_stream`'s; the decode time is the run's decode_s. Each run's garbage collections
+    as `bench_stream`'s."""
     workload = build_workload(spec, engine.tokenizer, engine.loaded.model.vocab_size, engine.max_model_len)
     runs, measured, failures = [], [], []
-    for label, warmup in _labels(warmups, repeats):
-        engine.scheduler.reset_prefix_cache()
-        table.start_run(label, warmup)
-        before = roofline.snapshot() if roofline is not None else None
-        run = run_sched(engine.scheduler, workload, params, mode, table.update, inputs=engine.inputs)
-        m = metrics.summarize_sched_run(run)
-        if roofline is not None:
-            m.roofline = roofline.between(before, roofline.snapshot(), run.decode_s)
-        table.finish_run(m)
-        runs.append({"label": label, "warmup": warmup, "figures": metrics.sched_figures(m),
-                     "errors": [message for _, message in run.failures]})
-        if not warmup:
-            measured.append(m)
-            failures += run.failures
+    collections = GcPauses(warn_ms=float("inf"))
+    try:
+        for label, warmup in _labels(warmups, repeats):
+            engine.scheduler.reset_prefix_cache()
+            table.start_run(label, warmup)
+            before = roofline.snapshot() if roofline is not None else None
+            collections.take()
+            run = run_sched(engine.scheduler, workload, params, mode, table.update, inputs=engine.inputs)
+            m = metrics.summarize_sched_run(run)
+            m.gc = collections.take()
+            if roofline is not None:
+                m.roofline = roofline.between(before, roofline.snapshot(), run.decode_s)
+            table.finish_run(m)
+            runs.append({"label": label, "warmup": warmup, "figures": metrics.sched_figures(m),
+                         "errors": [message for _, message in run.failures]})
+            if not warmup:
+                measured.append(m)
+                failures += run.failures
+    finally:
+        collections.close()
     summary = metrics.summarize_sched_runs(measured)
     return {"runs": runs, "summary": {k: v[0] for k, v in summary.items()}, "pairs": summary, "measured": measured,
             "failures": failures, "submitted": spec.num_requests * repeats}

@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 log = logging.getLogger("rosecli.gc")
@@ -42,6 +43,41 @@ def freeze_startup() -> int:
     return gc.get_freeze_count()
 
 
+@dataclass(frozen=True)
+class GcInterval:
+    """The collections between two `GcPauses.take` calls: how many (all generations), how many full (generation
+    2: the ones that walk every tracked object), and the time they held the process, in all and the longest."""
+
+    collections: int
+    full: int
+    paused_s: float
+    longest_s: float
+
+    @classmethod
+    def together(cls, intervals) -> "GcInterval":
+        """Several intervals as one: their counts and pause times summed, the longest pause of all."""
+        xs = list(intervals)
+        return cls(sum(x.collections for x in xs), sum(x.full for x in xs), sum(x.paused_s for x in xs),
+                   max((x.longest_s for x in xs), default=0.0))
+
+    def figures(self) -> dict[str, float]:
+        """Flat figures for result files (times in seconds, as every other figure)."""
+        return {"gc_collections": self.collections, "gc_full_collections": self.full, "gc_pause_s": self.paused_s,
+                "gc_longest_pause_s": self.longest_s}
+
+
+def gc_line(figures: dict, what: str = "GC pauses") -> Optional[str]:
+    """``GC pauses: 14 collections (1 full), 9.84 ms in all, longest 9.10 ms`` from `GcInterval.figures`; None
+    when the figures are absent."""
+    try:
+        n, full = figures["gc_collections"], figures["gc_full_collections"]
+        paused, longest = figures["gc_pause_s"], figures["gc_longest_pause_s"]
+    except KeyError:
+        return None
+    return (f"{what}: {n:g} collection{'' if n == 1 else 's'} ({full:g} full), {paused * 1e3:.2f} ms in all, "
+            f"longest {longest * 1e3:.2f} ms")
+
+
 class GcPauses:
     """Times each collection of this process. ``on_pause(generation, seconds, collected)`` is called
     after every collection (from whichever thread triggered it: keep it cheap); pauses of at least
@@ -55,6 +91,8 @@ class GcPauses:
         self.seconds = [0.0, 0.0, 0.0]
         self.longest_s = 0.0
         self._t0 = threading.local()
+        self._taken = (0, 0, 0.0)  # collections, full ones, seconds at the last take()
+        self._longest_since = 0.0
         gc.callbacks.append(self._hook)
 
     def _hook(self, phase: str, info: dict) -> None:
@@ -70,11 +108,20 @@ class GcPauses:
         self.count[g] += 1
         self.seconds[g] += dt
         self.longest_s = max(self.longest_s, dt)
+        self._longest_since = max(self._longest_since, dt)
         if self.on_pause is not None:
             self.on_pause(g, dt, int(info.get("collected", 0)))
         if dt >= self.warn_s:
             log.warning("garbage collection (generation %d) paused the process for %.0f ms (%d objects freed)",
                         g, dt * 1000, int(info.get("collected", 0)))
+
+    def take(self) -> GcInterval:
+        """The collections since the last call (or since this watch was installed)."""
+        now = (sum(self.count), self.count[2], sum(self.seconds))
+        out = GcInterval(now[0] - self._taken[0], now[1] - self._taken[1], now[2] - self._taken[2],
+                         self._longest_since)
+        self._taken, self._longest_since = now, 0.0
+        return out
 
     def close(self) -> None:
         if self._hook in gc.callbacks:

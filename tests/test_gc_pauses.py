@@ -62,8 +62,8 @@ def test_what_start_up_froze_is_finalized_at_exit():
 
 def test_every_command_freezes_what_its_engine_start_up_made(cache_dir):
     """`rose bench`, `chat` and `profile` start their engine through `start_engine`, as the in-process server
-    does: what start-up made is frozen before the first request, whose first full collection would otherwise walk
-    all of it (W1-cold's first burst waited 8-10 ms for one on the H200). `rose generate` (one batch, then exit)
+    does: what start-up made is frozen before the first request, whose collections would otherwise walk it
+    (W1-cold's first burst waited 7.5-10 ms for one on the H200). `rose generate` (one batch, then exit)
     asks for no freeze."""
     import io
 

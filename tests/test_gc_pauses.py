@@ -113,7 +113,7 @@ def test_a_full_collection_inside_a_bench_run_is_in_its_figures_lines_and_summar
     from rosecli.bench import report
     from rosecli.bench.run import bench_sched, bench_stream
     from rosecli.bench.workload import WorkloadSpec
-    from rosecli.commands.bench import _print_roofline_summary
+    from rosecli.commands.bench import _print_attached_summary
     from rosecli.engine.config import SamplingParams
 
     class CollectingTable(report.RunTable):
@@ -137,7 +137,7 @@ def test_a_full_collection_inside_a_bench_run_is_in_its_figures_lines_and_summar
     assert first["gc_pause_s"] >= first["gc_longest_pause_s"]
     assert second["gc_full_collections"] == 0  # each run counts its own
     assert {"gc_collections", "gc_full_collections", "gc_pause_s", "gc_longest_pause_s"} <= set(out["summary"])
-    _print_roofline_summary(console, out, None)
+    _print_attached_summary(console, out, None)
     text = console.export_text()
     assert text.count("GC pauses: ") == 2  # one line a measured run
     assert "GC pauses (the 2 measured runs together): " in text and " full), " in text

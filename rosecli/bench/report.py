@@ -144,12 +144,13 @@ def stream_lines(m: RunMetrics) -> list[str]:
     lines.append(f"Wall: {m.wall_s:.6f} s")
     if m.errors:
         lines.append(f"Errors: {m.errors}")
-    return lines + roofline_lines(m)
+    return lines + attached_lines(m)
 
 
-def roofline_lines(m) -> list[str]:
-    """The run's distance to the floor (`bench.roofline`), one line; none without it (CPU, another server); then
-    this process's garbage collections during the run (`gc_pauses.gc_line`), where counted."""
+def attached_lines(m) -> list[str]:
+    """The figures measured beside a run's requests (`metrics.attached_figures`), a line each: its distance to the
+    floor (`bench.roofline`; none on CPU or from another server), then this process's garbage collections during
+    the run (`gc_pauses.gc_line`; none for `bench serve`, whose server counts its own)."""
     r = getattr(m, "roofline", None)
     c = getattr(m, "gc", None)
     lines = [roofline_line(r.figures(), r.ceiling_gbs) if r is not None else None,
@@ -175,7 +176,7 @@ def sched_lines(m: SchedRunMetrics) -> list[str]:
         p50, p99 = getattr(m, f"{name}_p50"), getattr(m, f"{name}_p99")
         if p50 is not None:
             lines.append(f"{label} p50/p99: {_ms(p50)}/{_ms(p99)} {unit}")
-    return lines + roofline_lines(m)
+    return lines + attached_lines(m)
 
 
 def warmup_line(m: Union[RunMetrics, SchedRunMetrics]) -> str:
@@ -588,7 +589,7 @@ def serve_lines(m: ServeRunMetrics) -> list[str]:
         lines.append(f"Request rate: target {m.target_rate:.2f}, achieved {m.achieved_rate:.2f} req/s")
     lines.append(f"Wall: {m.wall_s:.6f} s")
     lines += serve_warnings(m)
-    return lines + roofline_lines(m)
+    return lines + attached_lines(m)
 
 
 CLIENT_BUSY = 0.9  # client CPU time / duration from which a run warns that the client may be the bottleneck

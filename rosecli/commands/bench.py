@@ -124,7 +124,7 @@ def _roofline_env(probe) -> Optional[dict]:
     return {**results.environment(), "read_ceiling_gbs": probe.ceiling_gbs, **probe.weights}
 
 
-def _print_roofline_summary(console: Console, out: dict, probe) -> None:
+def _print_attached_summary(console: Console, out: dict, probe) -> None:
     """The summary's distance to the floor (a GPU engine: medians over the measured runs), then the garbage
     collector's pauses in all the measured runs together (the result file keeps each run's and their medians)."""
     from rosecli.bench.roofline import line
@@ -207,7 +207,7 @@ def stream(
             out = bench_stream(engine, spec, params, warmup_runs, repeat_runs, table, against_direct,
                                goodput=slo or None, timeline=timeline, roofline=probe)
         report.print_stream_summary(console, out["measured"], out["summary"])
-        _print_roofline_summary(console, out, probe)
+        _print_attached_summary(console, out, probe)
         if against_direct and (line := report.against_direct_line(out["summary"])):
             console.print(line, highlight=False)
         if slo:
@@ -256,7 +256,7 @@ def sched(
         with report.RunTable(console, "sched", f"scheduler benchmark ({mode})") as table:
             out = bench_sched(engine, spec, params, mode, warmup_runs, repeat_runs, table, roofline=probe)
         report.print_sched_summary(console, mode, warmup_runs, out["pairs"], len(out["measured"]))
-        _print_roofline_summary(console, out, probe)
+        _print_attached_summary(console, out, probe)
         if save_result is not None:
             results.save_result(save_result, "sched", _config_dict(config, spec, params, mode=mode),
                                 engine.startup_times, out["runs"], out["summary"], env=_roofline_env(probe))

@@ -49,7 +49,8 @@ def start_engine(config, console: Console, freeze_gc: bool = True):
     the server does: otherwise the first requests after start-up pay a collection that walks it (on the H200,
     W1-cold's first burst waited 7.5-10 ms for a generation-1 collection of start-up's leftovers: TTFT p50 10-17 ms,
     3.4-3.8 frozen) and every later full collection walks it again. The freeze is one full collection, at
-    start-up; a one-shot command (`rose generate`) leaves it out rather than delay its first text by it."""
+    start-up; a one-shot command (`rose generate`) leaves it out rather than delay its first text by it, and the
+    servers freeze once their own set-up is made too."""
     with startup_progress(console, f"Starting {config.model}") as progress:
         from rosecli.engine.llm import LLMEngine
 

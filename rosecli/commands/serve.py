@@ -151,7 +151,8 @@ def serve_local(
             except RuntimeError as e:
                 o.fail(f"the engine did not start: {e}", code=1)
         else:
-            engine = start_engine(config, err)  # torch: seconds to import, after the port is ours
+            # torch: seconds to import, after the port is ours; frozen below, once the app is made too
+            engine = start_engine(config, err, freeze_gc=False)
             from rosecli.engine.streaming import StreamingManager
 
             manager = StreamingManager(engine)

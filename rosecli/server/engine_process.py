@@ -337,7 +337,7 @@ def _engine_main(config: EngineConfig, conn) -> None:
 
     try:
         console = Console(stderr=True)
-        engine = start_engine(config, console)
+        engine = start_engine(config, console, freeze_gc=False)  # frozen below, once the manager is made too
         ceiling = serve_read_ceiling(engine, lambda msg: console.print(msg, highlight=False, markup=False))
         engine.config.max_inflight_requests = None  # the server process counts requests against the limit
         manager = StreamingManager(engine)
